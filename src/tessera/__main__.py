@@ -1,0 +1,5 @@
+import sys
+
+from tessera.cli import main
+
+sys.exit(main())

@@ -1,0 +1,95 @@
+"""``tessera`` command line.
+
+    tessera train [--config FILE] [--nproc N] [--section.key=value ...]
+
+Everything a user can get wrong is checked here, before any rank starts, and reported as one sentence
+with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tessera import __version__
+from tessera.errors import UserError
+
+EPILOG = """overrides: any config key as --section.key=value, for example
+  --model.preset=tiny --train.steps=50 --parallel.dp_replicate=2 --data.corpus=path/to/texts
+sections: run, model, parallel, ddp, optim, data, train, checkpoint (see docs/CONFIG.md)"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", allow_abbrev=False,
+                                     description="Train large models with every form of parallelism.")
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", allow_abbrev=False, help="train a model",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", help="a TOML file (see configs/); defaults apply where it is silent")
+    train.add_argument("--nproc", type=int, help="local ranks to spawn (default run.nproc); ignored "
+                       "under torchrun, which decides the world size")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.launch import env_world_size, launch_local, rank_entry, run_rank, under_torchrun
+    from tessera.parallelize import validate_composition
+    from tessera.train.config import load_config, validate_config
+    from tessera.train.data import load_corpus
+
+    cfg = load_config(args.config, overrides)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+    if under_torchrun():
+        world = env_world_size()
+        validate_config(cfg, world)
+        validate_composition(cfg.parallel.resolved(world))
+        summary = rank_entry(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(_report(summary))
+        return 0
+    world = cfg.run.nproc
+    validate_config(cfg, world)
+    validate_composition(cfg.parallel.resolved(world))
+    from tessera.device import resolve_device
+
+    resolve_device(cfg.run.device)
+    load_corpus(cfg.data, progress=cfg.run.progress)  # build the token cache once, before ranks start
+    summary = launch_local(cfg, world) if world > 1 else run_rank(cfg)
+    print(_report(summary))  # rank 0's
+    return 0
+
+
+def _report(summary: dict) -> str:
+    keep = ("run_dir", "layout", "steps", "val_loss_start", "val_loss_end", "seconds")
+    return json.dumps({k: summary[k] for k in keep if k in summary}, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, rest)
+    except UserError as err:
+        print(f"tessera: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a failed rank: its own traceback is already on stderr
+        from tessera.launch import RankFailed
+
+        if isinstance(err, RankFailed):
+            print(f"tessera: error: {err}", file=sys.stderr)
+            return err.exit_code
+        raise
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

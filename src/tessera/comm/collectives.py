@@ -1,0 +1,197 @@
+"""Collectives over a CommGroup: skip size-1 groups, record every call, turn hangs into clear errors.
+
+Every function takes the group as an argument and ranks as *group-local* indices (``src=0`` is the
+group's first member; they are translated to global ranks, which every torch>=2.4 accepts). ``async_op=True`` returns a :class:`Handle` whose ``wait()`` finishes the call;
+otherwise the call completes before returning. On a size-1 group nothing is sent: the outputs are
+filled with what one process would compute and a completed handle is returned.
+
+A call that does not complete within the group's timeout (a peer crashed, hung or issued a different
+collective) raises :class:`tessera.errors.CommTimeoutError` naming this rank, the op, the axis and the
+call's sequence number on that axis.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm.group import CommGroup
+from tessera.comm.ledger import wire_bytes
+from tessera.errors import CommTimeoutError
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def reduce_op(name: str):
+    try:
+        return _REDUCE_OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown reduce op '{name}'; use one of {', '.join(_REDUCE_OPS)}") from None
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def comm_failure(group: CommGroup, op: str, seq: int, err: BaseException) -> CommTimeoutError:
+    """The error a user sees when a call cannot complete: who, what, where, which call."""
+    recent = ", ".join(f"#{r.seq} {r.op}" for r in group.ledger.recent if r.axis == group.axis)
+    return CommTimeoutError(
+        f"rank {group.global_rank}: {op} call #{seq} on axis '{group.axis}' (ranks {list(group.ranks)}) "
+        f"did not complete within {group.timeout.total_seconds():g} s: a peer crashed, hung or issued a "
+        f"different collective (recent calls on this axis: {recent or 'none'}; backend said: {err})"
+    )
+
+
+class Handle:
+    """An in-flight call. ``wait()`` blocks until it is done, records the blocked time, and runs any
+    finishing step (e.g. copying a gathered result into place)."""
+
+    def __init__(self, work=None, group: CommGroup | None = None, op: str = "", seq: int = 0,
+                 then: Callable[[], None] | None = None):
+        self._work, self._group, self._op, self._seq, self._then = work, group, op, seq, then
+        self.done = work is None and then is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        start = time.perf_counter()
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise comm_failure(self._group, self._op, self._seq, err) from err
+            self._group.ledger.add_seconds(self._group.axis, self._op, time.perf_counter() - start)
+        if self._then is not None:
+            self._then()
+        self.done = True
+
+
+DONE = Handle()
+
+
+def _issue(group: CommGroup, op: str, payload: int, wire: float, launch: Callable, async_op: bool,
+           then: Callable[[], None] | None = None) -> Handle:
+    """Launch ``launch(async_op)`` on the group, record it, and wrap failures."""
+    seq = group.next_seq()
+    start = time.perf_counter()
+    try:
+        work = launch(async_op)
+    except RuntimeError as err:
+        raise comm_failure(group, op, seq, err) from err
+    group.ledger.record(group.axis, op, payload, wire, time.perf_counter() - start, seq)
+    handle = Handle(work, group, op, seq, then)
+    if not async_op:
+        if then is not None:
+            then()
+        handle.done = True
+    return handle
+
+
+def all_reduce(tensor: torch.Tensor, group: CommGroup, op: str = "sum", async_op: bool = False) -> Handle:
+    """In place: every rank ends with the reduction of all ranks' ``tensor``."""
+    if group.size == 1:
+        return DONE
+    size = nbytes(tensor)
+    return _issue(group, "all_reduce", size, wire_bytes("all_reduce", size, group.size),
+                  lambda a: dist.all_reduce(tensor, op=reduce_op(op), group=group.pg, async_op=a), async_op)
+
+
+def broadcast(tensor: torch.Tensor, group: CommGroup, src: int = 0, async_op: bool = False) -> Handle:
+    """In place: every rank ends with the group-local rank ``src``'s ``tensor``."""
+    if group.size == 1:
+        return DONE
+    size = nbytes(tensor)
+    return _issue(group, "broadcast", size, wire_bytes("broadcast", size, group.size),
+                  lambda a: dist.broadcast(tensor, src=group.ranks[src], group=group.pg, async_op=a), async_op)
+
+
+def reduce(tensor: torch.Tensor, group: CommGroup, dst: int = 0, op: str = "sum",
+           async_op: bool = False) -> Handle:
+    """The reduction lands in ``tensor`` on group-local rank ``dst`` (other ranks' tensors are scratch)."""
+    if group.size == 1:
+        return DONE
+    size = nbytes(tensor)
+    return _issue(group, "reduce", size, wire_bytes("reduce", size, group.size),
+                  lambda a: dist.reduce(tensor, group.ranks[dst], op=reduce_op(op), group=group.pg, async_op=a),
+                  async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, async_op: bool = False) -> Handle:
+    """``output`` ([N·n, ...]) = the ranks' ``input`` ([n, ...]) concatenated along dim 0, in rank order."""
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return DONE
+    size = nbytes(output)
+    return _issue(group, "all_gather", size, wire_bytes("all_gather", size, group.size),
+                  lambda a: dist.all_gather_into_tensor(output, input, group=group.pg, async_op=a), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, op: str = "sum",
+                   async_op: bool = False) -> Handle:
+    """``output`` ([n, ...]) = this rank's 1/N slice (dim 0) of the reduction of every ``input`` ([N·n, ...])."""
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return DONE
+    size = nbytes(input)
+    return _issue(group, "reduce_scatter", size, wire_bytes("reduce_scatter", size, group.size),
+                  lambda a: dist.reduce_scatter_tensor(output, input, op=reduce_op(op), group=group.pg,
+                                                       async_op=a), async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: CommGroup,
+               output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
+               async_op: bool = False) -> Handle:
+    """Rank i's ``input`` rows ``input_split_sizes[j]`` go to rank j; rows from rank j land, in rank
+    order, in ``output`` (``output_split_sizes[j]`` of them). No split sizes means equal splits."""
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return DONE
+    row = nbytes(input) // max(input.shape[0], 1)
+    splits = input_split_sizes or [input.shape[0] // group.size] * group.size
+    sent = row * (sum(splits) - splits[group.rank])
+    return _issue(group, "all_to_all", nbytes(input), float(sent),
+                  lambda a: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                   group=group.pg, async_op=a), async_op)
+
+
+def gather(tensor: torch.Tensor, group: CommGroup, dst: int = 0) -> list[torch.Tensor] | None:
+    """Group-local rank ``dst`` receives every rank's ``tensor`` (a list in rank order); others get None."""
+    if group.size == 1:
+        return [tensor.clone()]
+    is_dst = group.rank == dst
+    out = [torch.empty_like(tensor) for _ in range(group.size)] if is_dst else None
+    piece = nbytes(tensor)
+    wire = piece * (group.size - 1) if is_dst else piece
+    _issue(group, "gather", piece * group.size, float(wire),
+           lambda a: dist.gather(tensor, out, group.ranks[dst], group=group.pg, async_op=a), False)
+    return out
+
+
+def scatter(output: torch.Tensor, scatter_list: list[torch.Tensor] | None, group: CommGroup,
+            src: int = 0) -> None:
+    """Group-local rank ``src`` sends ``scatter_list[j]`` to rank j, which receives it into ``output``."""
+    if group.size == 1:
+        output.copy_(scatter_list[0])
+        return
+    is_src = group.rank == src
+    piece = nbytes(output)
+    wire = piece * (group.size - 1) if is_src else piece
+    _issue(group, "scatter", piece * group.size, float(wire),
+           lambda a: dist.scatter(output, scatter_list if is_src else None, group.ranks[src],
+                                  group=group.pg, async_op=a), False)
+
+
+def barrier(group: CommGroup) -> None:
+    if group.size == 1:
+        return
+    _issue(group, "barrier", 0, 0.0, lambda a: dist.barrier(group=group.pg, async_op=a), False)

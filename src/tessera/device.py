@@ -1,0 +1,50 @@
+"""Device helpers: the one place that knows about accelerators, so library code stays device-agnostic
+(the same code runs on CPU/gloo and on GPU/NCCL)."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.errors import ConfigError
+
+
+def accelerator_type() -> str | None:
+    """"cuda" (or another accelerator's name) when one is present, else None."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator().type
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` → the device this rank computes on."""
+    if name == "cpu":
+        return torch.device("cpu")
+    kind = accelerator_type()
+    if kind is None:
+        if name == "auto":
+            return torch.device("cpu")
+        raise ConfigError(f"run.device is '{name}' but this machine has no accelerator; use run.device=cpu")
+    return torch.device(kind, local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "gloo" if device.type == "cpu" else "nccl"
+
+
+def set_device(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (a no-op on CPU); call before reading a wall clock."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak bytes allocated on an accelerator since start (None on CPU)."""
+    if device.type == "cpu":
+        return None
+    return int(torch.accelerator.max_memory_allocated(device))

@@ -1,0 +1,96 @@
+"""Starting ranks: under torchrun this process is one rank; otherwise spawn local ranks through torch's
+elastic launcher (the same agent torchrun uses, with a c10d rendezvous on a free local port)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tessera.device import backend_for, resolve_device, set_device
+from tessera.errors import UserError
+
+
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun or our own elastic launch) made this process a rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_rank(cfg) -> dict:
+    """Train as one rank (rank, world size and rendezvous from the environment; world 1 without it)."""
+    from tessera.train.trainer import Trainer  # the training layer is imported only where it runs
+
+    world = env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = resolve_device(cfg.run.device, local_rank)
+    set_device(device)
+    if device.type == "cpu":
+        # ranks on one machine share its cores; oversubscribed threads slow everyone down
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    trainer = None
+    try:
+        trainer = Trainer(cfg, device)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_entry(cfg) -> dict:
+    """Entry point of a spawned rank: a user error becomes one sentence and exit code 2."""
+    try:
+        return run_rank(cfg)
+    except UserError as err:
+        print(f"tessera: error (rank {os.environ.get('RANK', '0')}): {err}", file=sys.stderr)
+        raise SystemExit(err.exit_code) from None
+
+
+def launch_local(cfg, nproc: int) -> dict:
+    """Spawn ``nproc`` ranks on this machine and return rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tessera-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, rank_entry)(cfg)
+    except ChildFailedError as err:
+        raise RankFailed(_describe_failures(err)) from None
+    return results[0]
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank exited with an error; the message names each failed rank and why."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _describe_failures(err) -> str:
+    lines = []
+    for rank, failure in sorted(err.failures.items()):
+        message = (failure.message or "").strip() if isinstance(failure.message, str) else ""
+        if not message and isinstance(failure.message, dict):
+            message = str(failure.message.get("message", {}).get("message", "")).strip()
+        last = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
+        lines.append(f"rank {rank} failed: {last}")
+    return "; ".join(lines) or str(err)

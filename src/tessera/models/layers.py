@@ -1,0 +1,147 @@
+"""Building blocks of the Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU, block.
+
+Single-device only: nothing here imports torch.distributed. Parallel wrappers later replace
+or shard these modules, so attribute and submodule names are part of the contract.
+
+Legend: B batch, S sequence, D model dim, H query heads, K kv heads, E head dim,
+F ffn hidden dim. A suffix like `x_BSD` gives a tensor's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, normalised in float32 so bf16/fp16 inputs stay accurate."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x32 = x_BSD.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x_BSD) * self.weight
+
+
+# ---- rotary position embeddings ------------------------------------------------------
+#
+# Layout: "rotate-half" (as in HF Llama / GPT-NeoX), not interleaved pairs. Channel i of
+# the first half is paired with channel i + E/2: (x1, x2) -> (x1 cos - x2 sin,
+# x1 sin + x2 cos) at angle pos * theta^(-2i/E). Tables are real (cos, sin) of shape
+# [S, E/2]; no complex tensors, which some collectives and dtypes do not support.
+# Checkpoints from Meta's interleaved layout need their wq/wk rows permuted to match.
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos_SE2, sin_SE2) float32 tables for positions 0..max_seq_len-1."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim}.")
+    inv_freq_E2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    pos_S = torch.arange(max_seq_len, dtype=torch.float64)
+    angles_SE2 = torch.outer(pos_S, inv_freq_E2)  # float64 so large positions stay exact
+    return angles_SE2.cos().float(), angles_SE2.sin().float()
+
+
+def apply_rope(x_BSHE: torch.Tensor, cos_SE2: torch.Tensor, sin_SE2: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i+E/2) of x [B, S, H, E] by the per-position angles.
+
+    cos/sin are [S, E/2], already sliced to x's positions (a context-parallel rank passes
+    the slice for the positions it holds). Computed in float32, returned in x's dtype.
+    """
+    half = x_BSHE.shape[-1] // 2
+    x1, x2 = x_BSHE.float()[..., :half], x_BSHE.float()[..., half:]
+    cos = cos_SE2.float()[None, :, None, :]  # [1, S, 1, E/2] broadcasts over B and H
+    sin = sin_SE2.float()[None, :, None, :]
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x_BSHE)
+
+
+def repeat_kv(x_BSKE: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, K, E] -> [B, S, K*n_rep, E]; query head h reads kv head h // n_rep."""
+    if n_rep == 1:
+        return x_BSKE
+    b, s, k, e = x_BSKE.shape
+    return x_BSKE[:, :, :, None, :].expand(b, s, k, n_rep, e).reshape(b, s, k * n_rep, e)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE.
+
+    `n_heads`, `n_kv_heads` and `head_dim` are read in forward, and head counts are
+    inferred with -1 in reshapes, so a tensor-parallel pass can shard wq/wk/wv by rows,
+    wo by columns, and set the per-rank head counts on these attributes.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Output ("residual") dropout of the attention branch, applied here as in GPT-2.
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q_BSHE = self.wq(x_BSD).view(b, s, -1, self.head_dim)
+        k_BSKE = self.wk(x_BSD).view(b, s, -1, self.head_dim)
+        v_BSKE = self.wv(x_BSD).view(b, s, -1, self.head_dim)
+        q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
+        # Repeat kv heads by hand: SDPA's enable_gqa does not exist on torch 2.4.
+        n_rep = self.n_heads // self.n_kv_heads
+        k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
+        y_BHSE = F.scaled_dot_product_attention(
+            q_BSHE.transpose(1, 2),
+            k_BSHE.transpose(1, 2),
+            v_BSHE.transpose(1, 2),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+        )
+        y_BSD = y_BHSE.transpose(1, 2).reshape(b, s, -1)  # -1 = local H*E under TP
+        return self.resid_dropout(self.wo(y_BSD))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x). w1 = gate, w3 = up, w2 = down; no biases."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + dropout(ffn(norm(h)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        # Attention drops its own output; this drops the FFN branch before the residual add.
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+        return h_BSD + self.resid_dropout(self.feed_forward(self.ffn_norm(h_BSD)))

@@ -1,0 +1,106 @@
+"""The single-device reference decoder (Llama-style) that every parallel scheme wraps.
+
+Submodule names are a contract with the parallel passes: `tok_embeddings`, `layers`
+(ModuleDict keyed "0".."L-1"), `norm`, `output`. A pipeline stage deletes the layers it
+does not own and sets `tok_embeddings` / `norm` / `output` to None; forward copes.
+
+Legend: B batch, S sequence, D model dim, V vocab, E head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tessera.models.config import ModelConfig, model_config
+from tessera.models.layers import RMSNorm, TransformerBlock, precompute_rope
+
+# Linear layers whose output is added straight onto the residual stream (GPT-2 scaling).
+_RESIDUAL_PROJECTIONS = ("wo", "w2")
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer: embeddings -> L pre-norm blocks -> RMSNorm -> vocab head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Non-persistent: derived from cfg, so they stay out of checkpoints and state dicts.
+        cos_SE2, sin_SE2 = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos_SE2, persistent=False)
+        self.register_buffer("rope_sin", sin_SE2, persistent=False)
+        self.init_weights()
+
+    @classmethod
+    def from_preset(cls, name: str = "small", **overrides) -> "Transformer":
+        """Build from a named preset with field overrides (see `model_config`)."""
+        return cls(model_config(name, **overrides))
+
+    def _tie(self) -> None:
+        # The same Parameter object: one tensor, one optimizer state, summed gradient.
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self) -> None:
+        """Re-initialise every parameter from the current torch RNG, in a fixed order.
+
+        Linears and embeddings ~ N(0, init_std); `wo` and `w2` (which write into the
+        residual stream) use init_std / sqrt(2 * n_layers) so the residual variance does
+        not grow with depth (GPT-2); norm weights are ones. Tied weights are drawn once.
+        """
+        self._tie()
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        seen: set[int] = set()
+        with torch.no_grad():
+            for name, module in self.named_modules():
+                if isinstance(module, RMSNorm):
+                    module.reset_parameters()
+                elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    if id(module.weight) in seen:
+                        continue  # tied output head: already drawn as the embedding
+                    seen.add(id(module.weight))
+                    leaf = name.rsplit(".", 1)[-1]
+                    s = resid_std if leaf in _RESIDUAL_PROJECTIONS else std
+                    nn.init.normal_(module.weight, mean=0.0, std=s)
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables in float32 (e.g. after `model.to(torch.bfloat16)`
+        cast them, or after materialising from the meta device)."""
+        cos_SE2, sin_SE2 = precompute_rope(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta
+        )
+        self.rope_cos = cos_SE2.to(self.rope_cos.device)
+        self.rope_sin = sin_SE2.to(self.rope_sin.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int -> logits [B, S, V].
+
+        On a pipeline stage without `tok_embeddings` the input is hidden states [B, S, D];
+        without `norm`/`output` the result is hidden states [B, S, D].
+        """
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(
+                f"Sequence length {seq_len} exceeds the model's max_seq_len "
+                f"{self.cfg.max_seq_len}; shorten the batch or raise max_seq_len."
+            )
+        if self.tok_embeddings is not None:
+            h_BSD = self.emb_dropout(self.tok_embeddings(tokens))
+        else:
+            h_BSD = tokens
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, cos, sin)
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        if self.output is not None:
+            return self.output(h_BSD)  # logits_BSV
+        return h_BSD

@@ -1,0 +1,133 @@
+"""The job configuration: one small dataclass per component, loaded from TOML plus overrides.
+
+    [run]        name, output folder, seed, local ranks, device, progress bar
+    [model]      a preset (tiny, small, 124M, 1B, 7B, 70B) and any field of ModelConfig
+    [parallel]   degrees dp_replicate, dp_shard, pp, tp, cp, ep; rank order; collective timeout
+    [ddp]        gradient bucket size, unused-parameter handling
+    [optim]      AdamW, warm-up + cosine schedule, gradient clipping
+    [data]       corpus, sequence length, global and micro batch sizes
+    [train]      steps, logging and validation cadence
+    [checkpoint] final checkpoint
+
+Defaults: ``tessera train`` with no arguments trains the ``small`` preset on the standard-library
+corpus with data parallelism over the local ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from tessera.data_parallel.config import DDPConfig
+from tessera.errors import ConfigError
+from tessera.models import ModelConfig, model_config
+from tessera.topology import ParallelConfig, validate_degrees
+from tessera.train import config_io
+from tessera.train.data import DataConfig
+from tessera.train.optim import OptimConfig
+
+
+@dataclass
+class RunConfig:
+    name: str = ""  # the run folder is <out_dir>/<name>; empty: "<preset>-<layout>"; a taken name gets a suffix
+    out_dir: str = "runs"
+    seed: int = 0  # model initialisation (data order has its own seed in [data])
+    nproc: int = 2  # local ranks to spawn when not launched by torchrun
+    device: str = "cpu"  # "cpu", "cuda" or "auto" (an accelerator when present)
+    progress: bool = True  # progress bar on rank 0
+
+    def validate(self) -> RunConfig:
+        if self.nproc < 1:
+            raise ConfigError(f"run.nproc must be at least 1, got {self.nproc}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"run.device must be 'cpu', 'cuda' or 'auto', got '{self.device}'")
+        if "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name '{self.name}' must be a plain folder name")
+        return self
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps
+    log_every: int = 10  # a metrics.jsonl line every this many steps
+    eval_every: int = 50  # validation loss every this many steps (and at the first and last)
+
+    def validate(self) -> TrainConfig:
+        for key in ("steps", "log_every", "eval_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be at least 1, got {getattr(self, key)}")
+        return self
+
+
+@dataclass
+class CheckpointConfig:
+    save_final: bool = True  # model + optimizer + data position at the end, via torch.distributed.checkpoint
+    folder: str = "checkpoint"  # inside the run folder
+
+    def validate(self) -> CheckpointConfig:
+        return self
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=lambda: model_config("small"))
+    model_preset: str = "small"  # written as model.preset
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+SECTIONS = {
+    "run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "ddp": DDPConfig,
+    "optim": OptimConfig, "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+}
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults ← TOML file ← ``--section.key=value`` overrides; types and key names checked."""
+    raw = config_io.merge(config_io.read_toml(path) if path else {},
+                          config_io.parse_overrides(overrides or []))
+    config_io.check_sections(raw, SECTIONS)
+    model_raw = dict(raw.pop("model", {}))
+    preset = str(model_raw.pop("preset", "small"))
+    sections = {name: cls(**config_io.check_keys(name, raw.get(name, {}), cls))
+                for name, cls in SECTIONS.items() if name != "model"}
+    model = model_config(preset, **config_io.check_keys("model", model_raw, ModelConfig))
+    return JobConfig(model=model, model_preset=preset, **sections)
+
+
+def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
+    """Every check that can be made before a process starts; raises ConfigError with one sentence."""
+    for name in SECTIONS:
+        getattr(cfg, name).validate()
+    validate_degrees(cfg.parallel, world_size)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    dp = cfg.parallel.resolved(world_size)
+    dp_size = dp.dp_replicate * dp.dp_shard
+    if cfg.data.global_batch_size % (cfg.data.micro_batch_size * dp_size):
+        raise ConfigError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
+            f"data.micro_batch_size={cfg.data.micro_batch_size} × data-parallel degree {dp_size}"
+        )
+    return cfg
+
+
+def config_dict(cfg: JobConfig) -> dict:
+    """The resolved config as TOML-ready sections (model.preset included)."""
+    out = {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+    out["model"] = {"preset": cfg.model_preset, **out["model"]}
+    return out
+
+
+def save_config(cfg: JobConfig, path: Path) -> None:
+    path.write_text(tomli_w.dumps(config_dict(cfg)), encoding="utf-8")

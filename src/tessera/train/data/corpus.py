@@ -1,0 +1,299 @@
+"""Training text: gather a corpus, split it train/validation, cache it as raw byte tokens.
+
+The default corpus is the source of the running Python's standard library: real
+text that every machine already has, so training needs no download. The cache
+holds ``train.bin``/``val.bin`` (uint8, one byte per token) that ``np.memmap``
+maps without loading, plus ``meta.json``, which is written last and so marks a
+complete cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+from tqdm import tqdm
+
+from tessera.errors import ConfigError
+from tessera.train.data.tokenizer import ByteTokenizer
+
+try:  # POSIX only; without it concurrent builders still never see a torn cache (os.replace).
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+_FORMAT = 1  # bump when the cache layout or split rule changes, so old caches are not reused
+_EOT = bytes([ByteTokenizer.eot])
+
+# (relative POSIX path, absolute path, size, mtime_ns)
+SourceFile = Tuple[str, str, int, int]
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it is cut into batches."""
+
+    corpus: str = "stdlib"
+    cache_dir: str = ""
+    val_fraction: float = 0.02
+    seq_len: int = 128
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    seed: int = 0
+    eval_batches: int = 8
+
+    def validate(self) -> None:
+        """Raise ConfigError for a value that cannot work."""
+        for name in ("seq_len", "global_batch_size", "micro_batch_size", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"data.seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.val_fraction, (int, float)) or not 0.0 < self.val_fraction <= 0.5:
+            raise ConfigError(f"data.val_fraction must be in (0, 0.5], got {self.val_fraction!r}")
+        if self.corpus != "stdlib" and not os.path.exists(os.path.expanduser(self.corpus)):
+            raise ConfigError(f"corpus path {self.corpus!r} does not exist")
+
+    def cache_root(self) -> str:
+        """The cache directory, defaulting to ~/.cache/tessera."""
+        return os.path.expanduser(self.cache_dir or os.path.join("~", ".cache", "tessera"))
+
+
+@dataclass
+class Corpus:
+    """Token splits as read-only memory maps; ``path`` is the cache directory holding them."""
+
+    train: np.ndarray
+    val: np.ndarray
+    meta: Dict[str, object] = field(default_factory=dict)
+    path: str = ""
+
+
+# ---------------------------------------------------------------- gathering files
+
+
+def _stat_entry(rel: str, path: str) -> SourceFile:
+    st = os.stat(path)
+    return (rel, path, st.st_size, st.st_mtime_ns)
+
+
+def _walk(root: str, keep_file, skip_dir) -> List[SourceFile]:
+    """All files under root that ``keep_file`` accepts, sorted by relative POSIX path
+    so the corpus (and its cache key) is the same on every machine."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not skip_dir(d)]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if keep_file(name) and os.path.isfile(path):
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                found.append(_stat_entry(rel, path))
+    return sorted(found)
+
+
+def _list_sources(corpus: str) -> Tuple[str, Dict[str, object], List[SourceFile]]:
+    """Return (source description, key material, candidate files) for a corpus setting."""
+    if corpus == "stdlib":
+        root = os.path.realpath(sysconfig.get_paths()["stdlib"])
+        files = _walk(root, lambda n: n.endswith(".py"),
+                      lambda d: d in ("site-packages", "__pycache__"))
+        source = f"stdlib:{root}"
+        desc = {"source": source, "python": sys.version.split()[0],
+                "implementation": sys.implementation.name}
+    else:
+        root = os.path.realpath(os.path.expanduser(corpus))
+        if os.path.isdir(root):
+            # Hidden folders (.git, .venv) hold tool state, not the user's text.
+            files = _walk(root, lambda n: True, lambda d: d.startswith(".") or d == "__pycache__")
+        else:
+            files = [_stat_entry(os.path.basename(root), root)]
+        source = root
+        desc = {"source": source}
+    if not files:
+        raise ConfigError(f"corpus {corpus!r} contains no files")
+    return source, desc, files
+
+
+def _cache_key(desc: Dict[str, object], files: List[SourceFile], val_fraction: float) -> str:
+    """Hash of everything the cached tokens depend on; any change gives a new cache."""
+    material = dict(desc, format=_FORMAT, val_fraction=float(val_fraction),
+                    files=[[rel, size, mtime] for rel, _, size, mtime in files])
+    blob = json.dumps(material, sort_keys=True).encode("utf-8")
+    return hashlib.sha1(blob).hexdigest()[:16]
+
+
+def _read_text(path: str) -> Optional[bytes]:
+    """The file's bytes if it is non-empty UTF-8 text without NUL, else None (skipped)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data or _EOT in data:
+        return None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return data
+
+
+# ---------------------------------------------------------------- splitting
+
+
+def _hash_fraction(rel: str) -> float:
+    """A stable number in [0, 1) per relative path; Python's hash() is salted per process."""
+    digest = hashlib.sha1(rel.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _split_files(rels: List[str], val_fraction: float) -> Tuple[List[str], List[str]]:
+    """Per-file split so validation text is never seen in training, even partly."""
+    frac = {rel: _hash_fraction(rel) for rel in rels}
+    val = [rel for rel in rels if frac[rel] < val_fraction]
+    if not val:  # small corpora: still evaluate on something
+        val = [min(rels, key=frac.__getitem__)]
+    if len(val) == len(rels):  # and still train on something
+        val.remove(max(val, key=frac.__getitem__))
+    chosen = set(val)
+    return [rel for rel in rels if rel not in chosen], val
+
+
+def _tail_cut(data: bytes, val_fraction: float) -> int:
+    """Byte offset where the validation tail of a single document starts."""
+    cut = len(data) - max(1, int(round(len(data) * val_fraction)))
+    while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:
+        cut -= 1  # do not start validation inside a multi-byte character
+    return cut
+
+
+# ---------------------------------------------------------------- building the cache
+
+
+@contextlib.contextmanager
+def _temp_writer(out_dir: str, final_name: str) -> Iterator:
+    """Write to a temp file in out_dir, then atomically rename it to final_name;
+    a crash leaves at worst a stray temp file, never a half-written final file."""
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{final_name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)  # mkstemp makes 0600; a shared cache must stay readable
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(out_dir, final_name))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_split(out_dir: str, name: str, chunks: Iterator[bytes]) -> int:
+    """Write documents, each followed by the end-of-text byte; return the token count."""
+    n = 0
+    with _temp_writer(out_dir, name) as f:
+        for chunk in chunks:
+            f.write(chunk)
+            f.write(_EOT)
+            n += len(chunk) + 1
+    return n
+
+
+def _build(out_dir: str, source: str, files: List[SourceFile], key: str,
+           val_fraction: float, progress: bool) -> Dict[str, object]:
+    """Tokenize the corpus into out_dir and return its meta (already written)."""
+    with tqdm(total=2 * len(files), desc="building corpus cache", unit="file",
+              disable=not progress) as bar:
+        # First pass only checks which files are usable, so the split (and its
+        # non-empty fallbacks) is decided before anything is written.
+        valid = {}
+        for rel, path, _, _ in files:
+            if _read_text(path) is not None:
+                valid[rel] = path
+            bar.update(1)
+        if not valid:
+            raise ConfigError(f"corpus {source!r} contains no non-empty UTF-8 text file without NUL bytes")
+
+        if len(valid) == 1:  # one document: its tail is the validation split
+            data = _read_text(next(iter(valid.values()))) or b""
+            cut = _tail_cut(data, val_fraction)
+            n_train = _write_split(out_dir, "train.bin", iter([data[:cut]]))
+            n_val = _write_split(out_dir, "val.bin", iter([data[cut:]]))
+            bar.update(len(files))
+        else:
+            train_rels, val_rels = _split_files(list(valid), val_fraction)
+
+            def docs(rels: List[str]) -> Iterator[bytes]:
+                for rel in rels:
+                    yield _read_text(valid[rel]) or b""
+                    bar.update(1)
+
+            n_train = _write_split(out_dir, "train.bin", docs(train_rels))
+            n_val = _write_split(out_dir, "val.bin", docs(val_rels))
+            bar.update(len(files) - len(valid))
+
+    meta = {"source": source, "n_files": len(valid), "n_train_tokens": n_train,
+            "n_val_tokens": n_val, "dtype": "uint8", "key": key,
+            "val_fraction": val_fraction, "format": _FORMAT}
+    with _temp_writer(out_dir, "meta.json") as f:
+        f.write(json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
+    return meta
+
+
+def _read_meta(out_dir: str) -> Optional[Dict[str, object]]:
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive lock so ranks building the same cache take turns."""
+    with open(lock_path, "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _load_or_build(out_dir: str, source: str, files: List[SourceFile], key: str,
+                   val_fraction: float, progress: bool) -> Dict[str, object]:
+    meta = _read_meta(out_dir)  # fast path: no lock once the cache exists
+    if meta is not None:
+        return meta
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cache directory {out_dir!r} cannot be created ({e.strerror})") from e
+    with _exclusive(os.path.join(out_dir, ".lock")):
+        meta = _read_meta(out_dir)  # another process may have built it while we waited
+        if meta is None:
+            meta = _build(out_dir, source, files, key, val_fraction, progress)
+    return meta
+
+
+def load_corpus(cfg: DataConfig, progress: bool = False) -> Corpus:
+    """Return the corpus of ``cfg`` as memory-mapped tokens, building its cache on first use."""
+    cfg.validate()
+    source, desc, files = _list_sources(cfg.corpus)
+    key = _cache_key(desc, files, cfg.val_fraction)
+    out_dir = os.path.join(cfg.cache_root(), "corpus", key)
+    meta = _load_or_build(out_dir, source, files, key, cfg.val_fraction, progress)
+    for split in ("train", "val"):
+        n = int(meta[f"n_{split}_tokens"])
+        if n < cfg.seq_len + 1:
+            raise ConfigError(f"the {split} split of corpus {cfg.corpus!r} has {n} tokens, "
+                              f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+    train = np.memmap(os.path.join(out_dir, "train.bin"), dtype=np.uint8, mode="r")
+    val = np.memmap(os.path.join(out_dir, "val.bin"), dtype=np.uint8, mode="r")
+    return Corpus(train=train, val=val, meta=meta, path=out_dir)

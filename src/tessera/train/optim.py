@@ -1,0 +1,86 @@
+"""AdamW with linear warm-up and cosine decay (the ``[optim]`` section), and global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.errors import ConfigError
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3  # peak learning rate, reached at the end of warm-up
+    min_lr_ratio: float = 0.1  # the cosine decays to lr × min_lr_ratio at the last step
+    warmup_steps: int = 30
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only, never to norms or biases
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+
+    def validate(self) -> OptimConfig:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must not be negative")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        return self
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters; weight decay on tensors of 2 or more dims."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then cosine."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(total_steps - cfg.warmup_steps - 1, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, sharded_over: list[CommGroup] = ()) -> float:
+    """Clip gradients to a global L2 norm and return the norm before clipping.
+
+    ``sharded_over`` lists the groups across which *different* gradient pieces live (e.g. tensor- or
+    pipeline-parallel peers); their squared norms are summed so every element counts exactly once.
+    Replicated gradients (plain data parallelism) need no communication at all.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    device = grads[0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    for group in sharded_over:
+        comm.all_reduce(sq, group)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return float(norm)

@@ -1,0 +1,74 @@
+"""One optimizer step's forward/backward over micro-batches, and the validation loss.
+
+Token weighting: every micro-batch's summed token loss is divided by the number of tokens in the whole
+global batch (all data-parallel ranks, all micro-batches), and data-parallel gradients are summed. The
+gradient is then exactly that of the mean loss over the global batch, as on one process, whether or not
+ranks and micro-batches hold equal numbers of tokens.
+
+Shapes: x_BS, y_BS token ids (B micro-batch, S sequence); logits_BSV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.models import cross_entropy_sum
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token loss over the global batch
+    tokens: int  # tokens in the global batch
+
+
+def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], dp: CommGroup,
+                       device: torch.device) -> torch.Tensor:
+    """Targets that count (not IGNORE_INDEX) over every micro-batch and data-parallel rank: a 0-d tensor."""
+    local = sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in batches)
+    count = torch.tensor(float(local), dtype=torch.float64, device=device)
+    comm.all_reduce(count, dp)
+    return count
+
+
+def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dp: CommGroup,
+                     device: torch.device, activation_tracker=None) -> StepResult:
+    """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only."""
+    total_tokens = global_token_count(batches, dp, device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    last = len(batches) - 1
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = i == last or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
+            with tracking:  # the loss's saved logits count as activations too
+                s, _ = cross_entropy_sum(model(x), y, ignore_index=IGNORE_INDEX)
+            (s / total_tokens.to(s.dtype)).backward()
+        loss_sum += s.detach().double()
+    comm.all_reduce(loss_sum, dp)
+    return StepResult(loss=float(loss_sum / total_tokens), tokens=int(total_tokens))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], dp: CommGroup,
+             device: torch.device) -> float:
+    """Mean token loss over this rank's share of the fixed validation batches, averaged over ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
+    for micro_batches in batches:
+        for x, y in micro_batches:
+            s, n = cross_entropy_sum(model(x.to(device)), y.to(device), ignore_index=IGNORE_INDEX)
+            totals[0] += s.double()
+            totals[1] += n
+    comm.all_reduce(totals, dp)
+    model.train(was_training)
+    return float(totals[0] / totals[1])

@@ -1,0 +1,194 @@
+"""tessera.comm on real gloo ranks: results, ledger accounting, size-1 skipping, autograd, timeouts."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera import comm
+from tessera.comm import CommGroup, CommLedger, P2POp
+from tessera.errors import CommTimeoutError
+
+pytestmark = pytest.mark.multirank
+
+
+def world_group(rank: int, world: int, axis: str = "dp") -> CommGroup:
+    return CommGroup(axis, dist.group.WORLD, tuple(range(world)), rank, CommLedger())
+
+
+def collectives_worker(rank, world_size):
+    g = world_group(rank, world_size)
+    n = world_size
+    out = {}
+    t = torch.full((6,), float(rank + 1))
+    comm.all_reduce(t, g)
+    out["all_reduce"] = t
+    t = torch.full((6,), float(rank + 1))
+    comm.all_reduce(t, g, op="avg")
+    out["avg"] = t
+    t = torch.full((3,), float(rank))
+    comm.broadcast(t, g, src=n - 1)
+    out["broadcast"] = t
+    t = torch.full((2,), float(rank + 1))
+    comm.reduce(t, g, dst=0)
+    out["reduce"] = t if rank == 0 else None
+    gathered = torch.empty(2 * n)
+    comm.all_gather(gathered, torch.full((2,), float(rank)), g)
+    out["all_gather"] = gathered
+    shard = torch.empty(2)
+    comm.reduce_scatter(shard, torch.arange(2.0 * n) * (rank + 1), g)
+    out["reduce_scatter"] = shard
+    out["gather"] = comm.gather(torch.tensor([float(rank)]), g, dst=0)
+    piece = torch.empty(2)
+    comm.scatter(piece, [torch.full((2,), 10.0 + j) for j in range(n)] if rank == 0 else None, g, src=0)
+    out["scatter"] = piece
+    handle = comm.all_reduce(torch.ones(4), g, async_op=True)
+    handle.wait()
+    out["ledger"] = {k: (s.count, s.bytes, s.wire_bytes) for k, s in g.ledger.stats().items()}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_compute_and_record(rank_pool, world):
+    total = sum(range(1, world + 1))
+    for rank, out in enumerate(rank_pool.run(collectives_worker, world)):
+        assert out["all_reduce"].tolist() == [float(total)] * 6
+        assert out["avg"].tolist() == pytest.approx([total / world] * 6)
+        assert out["broadcast"].tolist() == [float(world - 1)] * 3
+        if rank == 0:
+            assert out["reduce"].tolist() == [float(total)] * 2
+            assert [t.item() for t in out["gather"]] == list(range(world))
+        else:
+            assert out["gather"] is None
+        assert out["all_gather"].tolist() == [float(r) for r in range(world) for _ in range(2)]
+        assert out["reduce_scatter"].tolist() == [float(total * (2 * rank + j)) for j in range(2)]
+        assert out["scatter"].tolist() == [10.0 + rank] * 2
+        ledger, f = out["ledger"], (world - 1) / world
+        assert ledger[("dp", "all_reduce")] == (3, 24 + 24 + 16, pytest.approx(2 * f * 64))
+        assert ledger[("dp", "all_gather")] == (1, 8 * world, pytest.approx(f * 8 * world))
+        assert ledger[("dp", "reduce_scatter")] == (1, 8 * world, pytest.approx(f * 8 * world))
+        assert ledger[("dp", "broadcast")] == (1, 12, 12.0)
+        root_wire = 4.0 * (world - 1) if rank == 0 else 4.0
+        assert ledger[("dp", "gather")] == (1, 4 * world, root_wire)
+
+
+def all_to_all_worker(rank, world_size):
+    g = world_group(rank, world_size, axis="ep")
+    # rank r sends (j + 1) rows of value 100·r + j to rank j: uneven splits both ways
+    in_splits = [j + 1 for j in range(world_size)]
+    x = torch.cat([torch.full((j + 1, 2), 100.0 * rank + j) for j in range(world_size)])
+    out_splits = [rank + 1] * world_size
+    y = torch.empty(sum(out_splits), 2)
+    comm.all_to_all(y, x, g, output_split_sizes=out_splits, input_split_sizes=in_splits)
+    stat = g.ledger.total("ep", "all_to_all")
+    return y, stat.wire_bytes
+
+
+def test_all_to_all_uneven_splits(rank_pool):
+    world = 4
+    for rank, (y, wire) in enumerate(rank_pool.run(all_to_all_worker, world)):
+        expected = torch.cat([torch.full((rank + 1, 2), 100.0 * src + rank) for src in range(world)])
+        assert torch.equal(y, expected)
+        sent_rows = sum(j + 1 for j in range(world)) - (rank + 1)
+        assert wire == sent_rows * 2 * 4
+
+
+def p2p_worker(rank, world_size):
+    g = world_group(rank, world_size, axis="pp")
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    got = torch.empty(3)
+    if rank % 2 == 0:  # blocking send/recv around the ring, even ranks first so nobody deadlocks
+        comm.send(torch.full((3,), float(rank)), g, nxt)
+        comm.recv(got, g, prv)
+    else:
+        comm.recv(got, g, prv)
+        comm.send(torch.full((3,), float(rank)), g, nxt)
+    a, b = torch.empty(2), torch.empty(2)
+    handles = [comm.isend(torch.full((2,), float(rank)), g, nxt), comm.irecv(a, g, prv)]
+    for h in handles:
+        h.wait()
+    for h in comm.batch_isend_irecv([P2POp("send", torch.full((2,), -float(rank)), prv),
+                                     P2POp("recv", b, nxt)], g):
+        h.wait()
+    return got, a, b, g.ledger.total("pp", "send").bytes, g.ledger.total("pp", "recv").bytes
+
+
+def test_send_recv_sync_async_and_batched(rank_pool):
+    world = 4
+    for rank, (got, a, b, sent, received) in enumerate(rank_pool.run(p2p_worker, world)):
+        prv, nxt = (rank - 1) % world, (rank + 1) % world
+        assert got.tolist() == [float(prv)] * 3 and a.tolist() == [float(prv)] * 2
+        assert b.tolist() == [-float(nxt)] * 2
+        assert sent == received == 12 + 8 + 8
+
+
+def test_size_one_group_skips_communication():
+    g = CommGroup.single("tp")
+    t = torch.arange(4.0)
+    comm.all_reduce(t, g)
+    comm.broadcast(t, g)
+    out = torch.empty(4)
+    comm.all_gather(out, t, g)
+    comm.reduce_scatter(out, t * 2, g)
+    comm.all_to_all(out, t, g)
+    assert comm.all_reduce(t, g, async_op=True).done
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and out.tolist() == t.tolist()
+    assert comm.gather(t, g)[0].tolist() == t.tolist()
+    assert g.ledger.stats() == {}  # nothing was sent, nothing recorded
+    x = torch.randn(3, requires_grad=True)
+    assert comm.copy_to(x, g) is x and comm.reduce_from(x, g) is x
+    with pytest.raises(ValueError, match="needs a peer"):
+        comm.send(t, g, 0)
+
+
+def autograd_worker(rank, world_size):
+    g = world_group(rank, world_size, axis="tp")
+    torch.manual_seed(0)
+    full = torch.randn(3, 4 * world_size)  # the same on every rank
+    w = torch.randn(3, 4 * world_size)
+    x = full.clone().requires_grad_()
+    # scatter_to → local piece; gather_from → full again; the loss weights each element by w
+    y = comm.gather_from(comm.scatter_to(x, g, dim=-1), g, dim=-1)
+    (y * w).sum().backward()
+    grad_gather = x.grad.clone()
+    # copy_to forwards identity and all-reduces the gradient; reduce_from sums partial results
+    x2 = full.clone().requires_grad_()
+    z = comm.reduce_from(comm.copy_to(x2, g) * (rank + 1), g)
+    (z * w).sum().backward()
+    return y.detach(), grad_gather, z.detach(), x2.grad, full, w
+
+
+def test_autograd_collectives_forward_and_backward(rank_pool):
+    world = 2
+    total = sum(range(1, world + 1))
+    for rank, (y, grad_gather, z, grad_copy, full, w) in enumerate(rank_pool.run(autograd_worker, world)):
+        assert torch.equal(y, full)
+        # the gradient of the gathered copy reaches x only through this rank's slice, then is
+        # all-gathered back by scatter_to's backward: the whole of w
+        torch.testing.assert_close(grad_gather, w)
+        torch.testing.assert_close(z, full * total)
+        # z = Σ_r (r+1)·x, so dz/dx = total·w, assembled by copy_to's backward all-reduce
+        torch.testing.assert_close(grad_copy, w * total)
+
+
+def timeout_worker(rank, world_size):
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=1.5))
+    g = CommGroup("tp", pg, (0, 1), rank, CommLedger(), timedelta(seconds=1.5))
+    comm.all_reduce(torch.ones(2), g)  # call #1 completes
+    message = None
+    if rank == 0:  # rank 1 never joins call #2
+        try:
+            comm.all_reduce(torch.ones(2), g)
+        except CommTimeoutError as err:
+            message = str(err)
+    dist.barrier()  # on the default group, which stays healthy
+    dist.destroy_process_group(pg)
+    return message
+
+
+def test_collective_that_cannot_complete_names_rank_op_axis_and_call(rank_pool):
+    message = rank_pool.run(timeout_worker, 2, timeout=60)[0]
+    assert message is not None
+    assert message.startswith("rank 0: all_reduce call #2 on axis 'tp'")
+    assert "within 1.5 s" in message and "#1 all_reduce" in message
