@@ -1,12 +1,13 @@
 """Topology: validation (pure tier) and group layout up to 64 ranks with torch's fake backend (tier 2)."""
 
+import itertools
 import math
 
 import pytest
 import torch.distributed as dist
 
 from tessera.errors import ConfigError
-from tessera.topology import GRID_AXES, ParallelConfig, Topology, all_layouts, parse_order, validate_degrees
+from tessera.topology import GRID_AXES, ParallelConfig, Topology, parse_order, validate_degrees
 
 
 # ---- tier 1: validation ------------------------------------------------------------------------
@@ -86,6 +87,25 @@ def _strides(cfg: ParallelConfig) -> dict[str, int]:
     return {a: math.prod(sizes[i + 1 :]) for i, a in enumerate(order)}
 
 
+def all_layouts(world_size: int, max_axes: int):
+    """Every ParallelConfig (ep = 1) of ``world_size`` ranks with at most ``max_axes`` axes above 1."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for combo in itertools.product(divisors, repeat=len(GRID_AXES)):
+        if math.prod(combo) == world_size and sum(d > 1 for d in combo) <= max_axes:
+            yield ParallelConfig(**dict(zip(GRID_AXES, combo)))
+
+
+def _check_layout(cfg: ParallelConfig, world: int, ranks) -> None:
+    """Play each of ``ranks`` in turn and check its view of the layout."""
+    for rank in ranks:
+        topo = _build_as(rank, world, cfg)
+        try:
+            _check_rank(topo, cfg)
+        finally:
+            topo.destroy()
+            dist.destroy_process_group()
+
+
 def _check_rank(topo: Topology, cfg: ParallelConfig) -> None:
     strides = _strides(cfg)
     # the rank is the dot product of its coordinates with the strides of the order string
@@ -119,13 +139,7 @@ LAYOUTS_64 = [
 
 @pytest.mark.parametrize("cfg", LAYOUTS_64, ids=lambda c: "x".join(f"{a}{getattr(c, a)}" for a in GRID_AXES))
 def test_fake_layout_64_ranks(cfg):
-    for rank in range(64):
-        topo = _build_as(rank, 64, cfg)
-        try:
-            _check_rank(topo, cfg)
-        finally:
-            topo.destroy()
-            dist.destroy_process_group()
+    _check_layout(cfg, 64, range(64))
 
 
 def test_fake_every_layout_of_16_ranks():
@@ -133,10 +147,4 @@ def test_fake_every_layout_of_16_ranks():
     layouts = list(all_layouts(16, max_axes=3))
     assert len(layouts) > 30
     for cfg in layouts:
-        for rank in (0, 7, 15):
-            topo = _build_as(rank, 16, cfg)
-            try:
-                _check_rank(topo, cfg)
-            finally:
-                topo.destroy()
-                dist.destroy_process_group()
+        _check_layout(cfg, 16, (0, 7, 15))

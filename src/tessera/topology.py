@@ -13,7 +13,6 @@ collective on it is skipped. World size 1 therefore needs no special code in cal
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -245,12 +244,3 @@ def _new_partition(parts: list[tuple[int, ...]], timeout: timedelta) -> dict[tup
         return {parts[0]: dist.GroupMember.WORLD}
     _, all_groups = dist.new_subgroups_by_enumeration([list(p) for p in parts], timeout=timeout)
     return {p: pg for p, pg in zip(parts, all_groups)}
-
-
-def all_layouts(world_size: int, max_axes: int = 3):
-    """Every ParallelConfig (ep = 1) whose degrees multiply to ``world_size`` using at most
-    ``max_axes`` axes of degree > 1; for exhaustive layout tests."""
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for combo in itertools.product(divisors, repeat=len(GRID_AXES)):
-        if math.prod(combo) == world_size and sum(d > 1 for d in combo) <= max_axes:
-            yield ParallelConfig(**dict(zip(GRID_AXES, combo)))

@@ -40,8 +40,5 @@ class CommGroup:
         self.seq += 1
         return self.seq
 
-    def global_rank_of(self, local_rank: int) -> int:
-        return self.ranks[local_rank]
-
     def __repr__(self) -> str:
         return f"CommGroup(axis={self.axis!r}, rank={self.rank}/{self.size}, ranks={list(self.ranks)})"

@@ -20,7 +20,6 @@ class Bucket:
     buffer: torch.Tensor  # flat [sum(numel)], dtype/device of its parameters
     offsets: list[int]
     ready: int = 0  # gradients produced in the current backward pass
-    launched: bool = False
     handle: object = None
     used: set[int] = field(default_factory=set)  # ids of params whose gradient arrived this pass
 
@@ -39,7 +38,6 @@ class Bucket:
 
     def reset(self) -> None:
         self.ready = 0
-        self.launched = False
         self.handle = None
         self.used.clear()
 

@@ -120,7 +120,6 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: Bucket) -> None:
         if not self._in_finish:
             self.early_launches += 1
-        bucket.launched = True
         bucket.handle = comm.all_reduce(bucket.buffer, self.group, op=self.reduce_op, async_op=True)
 
     @torch.no_grad()
