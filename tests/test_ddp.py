@@ -234,3 +234,33 @@ def test_ddp_gradients_equal_torch_ddp(rank_pool):
     for grads in rank_pool.run(torch_ddp_worker, 2):
         for name, (ours, theirs) in grads.items():
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def accumulate_then_skip_worker(rank, world_size):
+    """Micro-batch 1 (under no_sync) uses branch b; micro-batch 2 (synchronised) does not."""
+    topo = Topology.build(ParallelConfig(dp_replicate=world_size))
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Branchy(), topo.group("dp"), find_unused_parameters=True)
+        x = torch.full((2, 4), float(rank + 1))
+        with model.no_sync():
+            model(x, use_b=True).sum().backward()
+        model(2 * x, use_b=False).sum().backward()
+        return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.multirank
+def test_ddp_keeps_gradients_accumulated_before_a_pass_that_skips_them(rank_pool):
+    world = 2
+    results = rank_pool.run(accumulate_then_skip_worker, world)
+    torch.manual_seed(0)
+    ref = Branchy()
+    for rank in range(world):
+        x = torch.full((2, 4), float(rank + 1))
+        ref(x, use_b=True).sum().div(world).backward()
+        ref(2 * x, use_b=False).sum().div(world).backward()
+    for grads in results:
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)

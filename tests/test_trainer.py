@@ -85,3 +85,17 @@ def test_cli_spawns_ranks_through_the_elastic_launcher(tmp_path, corpus_cache):
     assert summary["layout"].startswith("2 rank(s): dp_replicate=2")
     assert Path(summary["run_dir"]).name == "tiny-dpr2"
     assert (Path(summary["run_dir"]) / "checkpoint" / "__1_0.distcp").exists()  # rank 1 wrote its part
+
+
+def group_alive_worker(rank, world_size):
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+@pytest.mark.multirank
+def test_trainer_leaves_a_callers_process_group_alone(rank_pool, tmp_path, corpus_cache):
+    rank_pool.run(trainer_worker, 2, args=tiny_args(tmp_path, corpus_cache, steps=1))
+    assert rank_pool.run(group_alive_worker, 2) == [2.0, 2.0]

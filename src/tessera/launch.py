@@ -26,18 +26,17 @@ def env_world_size() -> int:
 
 
 def run_rank(cfg) -> dict:
-    """Train as one rank (rank, world size and rendezvous from the environment; world 1 without it)."""
+    """Train as one rank. Rank, world size and rendezvous come from the environment (a launcher's);
+    without them this is a world of one, or whatever process group the caller already initialised."""
     from tessera.train.trainer import Trainer  # the training layer is imported only where it runs
 
-    world = env_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = resolve_device(cfg.run.device, local_rank)
+    device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")))
     set_device(device)
-    if device.type == "cpu":
+    if device.type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:
         # ranks on one machine share its cores; oversubscribed threads slow everyone down
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if world > 1 and not dist.is_initialized():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    owns_group = env_world_size() > 1 and not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))
     trainer = None
     try:
@@ -46,7 +45,7 @@ def run_rank(cfg) -> dict:
     finally:
         if trainer is not None:
             trainer.close()
-        if dist.is_initialized():
+        if owns_group:
             dist.destroy_process_group()
 
 

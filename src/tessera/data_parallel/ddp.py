@@ -7,8 +7,8 @@ launched strictly in index order on every rank ("reduce order kept"), whatever o
 so the collectives always match across ranks. At the end of backward the remaining buckets are launched
 and all are waited for. Total per step: 2(N-1)/N × gradient bytes per rank (ring all-reduce).
 
-Parameters that receive no gradient in a pass ("skip gradient") contribute zeros; they never block a
-bucket forever and never cause a hang. With ``find_unused_parameters=True`` one more small all-reduce
+Parameters that receive no gradient in a pass ("skip gradient") contribute what they hold (a gradient
+accumulated under ``no_sync``, or zeros); they never block a bucket forever and never cause a hang. With ``find_unused_parameters=True`` one more small all-reduce
 counts, per parameter, the ranks that used it, and a parameter no rank used keeps ``grad = None``,
 exactly as in a single process (so optimizers skip it). Inside ``no_sync()`` gradients only accumulate
 locally; the next synchronised backward reduces the accumulated sum, so every gradient is averaged
@@ -103,6 +103,11 @@ class DistributedDataParallel(nn.Module):
             self.early_launches = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket, i = self._slot[id(p)]
+        if id(p) in bucket.used:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} received a second gradient in one backward pass; "
+                "data parallelism reduces each gradient once per pass (run the pieces in one backward)"
+            )
         view = bucket.view(i)
         if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient: move it into the bucket
             view.copy_(p.grad)
@@ -124,18 +129,18 @@ class DistributedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        """End of backward: zero-fill the slots of parameters that got no gradient, launch the rest in
-        order, wait for everything, then restore ``grad = None`` for parameters no rank used."""
+        """End of backward: move any gradient that no hook delivered this pass (accumulated under
+        ``no_sync``) into its slot, zero the slots of parameters without one, launch the remaining
+        buckets in order, wait for everything, then give ``grad = None`` back to parameters no rank
+        has a gradient for (with ``find_unused_parameters``)."""
         self._in_finish = True
-        counts = None
         for bucket in self.buckets[self._next_launch :]:
             for i, p in enumerate(bucket.params):
                 if id(p) not in bucket.used:
-                    bucket.view(i).zero_()
+                    self._adopt(bucket, i, p)
             bucket.ready = len(bucket.params)
         self._launch_full_buckets()
-        if self.find_unused_parameters:
-            counts = self._count_users()
+        counts = self._count_holders() if self.find_unused_parameters else None
         for bucket in self.buckets:
             bucket.handle.wait()
         self._assign_grads(counts)
@@ -145,20 +150,31 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self._in_finish = False
 
-    def _count_users(self) -> torch.Tensor:
-        """How many ranks produced each parameter's gradient (one small all-reduce, after the buckets)."""
-        used = [float(id(p) in b.used) for b in self.buckets for p in b.params]
-        counts = torch.tensor(used, dtype=torch.float32, device=self.buckets[0].buffer.device)
+    @staticmethod
+    def _adopt(bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """Put ``p``'s current gradient (or zeros if it has none) into its bucket slot."""
+        view = bucket.view(i)
+        if p.grad is None:
+            view.zero_()
+            return
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        bucket.used.add(id(p))
+
+    def _count_holders(self) -> torch.Tensor:
+        """How many ranks hold a gradient for each parameter (one small all-reduce, after the buckets)."""
+        held = [float(id(p) in b.used) for b in self.buckets for p in b.params]
+        counts = torch.tensor(held, dtype=torch.float32, device=self.buckets[0].buffer.device)
         comm.all_reduce(counts, self.group)
         return counts
 
     def _assign_grads(self, counts: torch.Tensor | None) -> None:
-        users = counts.tolist() if counts is not None else None
+        holders = counts.tolist() if counts is not None else None
         k = 0
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
-                if users is not None and users[k] == 0:
+                if holders is not None and holders[k] == 0:
                     p.grad = None
-                elif id(p) not in bucket.used:
+                else:
                     p.grad = bucket.view(i)
                 k += 1
