@@ -99,3 +99,14 @@ def group_alive_worker(rank, world_size):
 def test_trainer_leaves_a_callers_process_group_alone(rank_pool, tmp_path, corpus_cache):
     rank_pool.run(trainer_worker, 2, args=tiny_args(tmp_path, corpus_cache, steps=1))
     assert rank_pool.run(group_alive_worker, 2) == [2.0, 2.0]
+
+
+def test_failed_ranks_become_one_sentence_with_the_right_exit_code():
+    from types import SimpleNamespace
+
+    from tessera.launch import _failure
+
+    user = SimpleNamespace(failures={1: SimpleNamespace(exitcode=2), 0: SimpleNamespace(exitcode=2)})
+    crash = SimpleNamespace(failures={0: SimpleNamespace(exitcode=-9)})
+    assert str(_failure(user)) == "rank 0 exited with code 2, rank 1 exited with code 2 (its error is printed above)"
+    assert _failure(user).exit_code == 2 and _failure(crash).exit_code == 1

@@ -63,7 +63,9 @@ def launch_local(cfg, nproc: int) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # the agent logs each failed rank's exit with a traceback of its own machinery; the rank's own
+    # error is what matters, and the rank prints it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tessera-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
@@ -72,7 +74,7 @@ def launch_local(cfg, nproc: int) -> dict:
     try:
         results = elastic_launch(config, rank_entry)(cfg)
     except ChildFailedError as err:
-        raise RankFailed(_describe_failures(err)) from None
+        raise _failure(err) from None
     return results[0]
 
 
@@ -84,12 +86,10 @@ class RankFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-def _describe_failures(err) -> str:
-    lines = []
-    for rank, failure in sorted(err.failures.items()):
-        message = (failure.message or "").strip() if isinstance(failure.message, str) else ""
-        if not message and isinstance(failure.message, dict):
-            message = str(failure.message.get("message", {}).get("message", "")).strip()
-        last = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        lines.append(f"rank {rank} failed: {last}")
-    return "; ".join(lines) or str(err)
+def _failure(err) -> RankFailed:
+    """One sentence for the ranks that failed; each rank has already printed its own error."""
+    codes = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
+    which = ", ".join(f"rank {rank} exited with code {code}" for rank, code in codes.items())
+    user_error = all(code == UserError.exit_code for code in codes.values())
+    return RankFailed(f"{which or 'a rank failed'} (its error is printed above)",
+                      UserError.exit_code if user_error else 1)
