@@ -31,7 +31,9 @@ def test_single_process_run_writes_everything(tmp_path, corpus_cache):
     for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/.metadata",
                  "checkpoint/trainer.json"):
         assert (run / name).exists(), name
-    assert json.loads((run / "summary.json").read_text())["val_loss_end"] == summary["val_loss_end"]
+    written = json.loads((run / "summary.json").read_text())
+    assert written["val_loss_end"] == summary["val_loss_end"]
+    assert written["memory_per_rank"][0]["params"] == summary["parameters"] * 4
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6]

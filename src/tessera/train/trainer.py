@@ -166,6 +166,7 @@ class Trainer:
             "tokens_per_s_mean": (sum(r["tokens_per_s"] for r in train_lines) / len(train_lines)
                                   if train_lines else None),
             "comm_total": CommLedger.as_dict(self.ledger.stats()), "checkpoint": checkpoint,
+            "memory_per_rank": train_lines[-1]["memory"] if train_lines else None,
         }
         if self.metrics:
             self.metrics.write_summary(summary)
