@@ -1,5 +1,7 @@
 """Distributed data parallel: N gloo ranks against one process on the same global batch."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -186,29 +188,49 @@ class Branchy(nn.Module):
         return self.b(self.a(x)) if use_b else self.a(x)
 
 
-def partial_use_worker(rank, world_size):
+# A script is a list of backward passes (input scale, who uses branch b, under no_sync?).
+BRANCHY_SCRIPTS = {
+    # only rank 0 uses b: no hang, and b's gradient is g0 / N
+    "partial": [(1.0, "rank0", False)],
+    # b's gradient accumulates under no_sync, then the synchronised pass does not touch b
+    "accumulate_then_skip": [(1.0, "all", True), (2.0, "none", False)],
+}
+
+
+def _uses_b(who: str, rank: int) -> bool:
+    return who == "all" or (who == "rank0" and rank == 0)
+
+
+def branchy_worker(rank, world_size, script):
     topo = Topology.build(ParallelConfig(dp_replicate=world_size))
     try:
         torch.manual_seed(0)
         model = DistributedDataParallel(Branchy(), topo.group("dp"), find_unused_parameters=True)
-        x = torch.full((2, 4), float(rank + 1))
-        model(x, use_b=rank == 0).sum().backward()  # only rank 0 uses b: no hang, b's grad = g0 / N
+        for scale, who, local in BRANCHY_SCRIPTS[script]:
+            with model.no_sync() if local else contextlib.nullcontext():
+                x = torch.full((2, 4), scale * (rank + 1))
+                model(x, use_b=_uses_b(who, rank)).sum().backward()
         return {n: p.grad.clone() for n, p in model.module.named_parameters()}
     finally:
         topo.destroy()
 
 
-@pytest.mark.multirank
-def test_ddp_parameter_used_on_some_ranks_only(rank_pool):
-    world = 2
-    results = rank_pool.run(partial_use_worker, world)
+def check_branchy_against_one_process(rank_pool, script, world=2):
+    """One process sums every rank's passes, each divided by N: the averaged gradient DDP must give."""
+    results = rank_pool.run(branchy_worker, world, script=script)
     torch.manual_seed(0)
     ref = Branchy()
-    for rank in range(world):  # the average of per-rank gradients, computed in one process
-        ref(torch.full((2, 4), float(rank + 1)), use_b=rank == 0).sum().div(world).backward()
+    for rank in range(world):
+        for scale, who, _ in BRANCHY_SCRIPTS[script]:
+            ref(torch.full((2, 4), scale * (rank + 1)), use_b=_uses_b(who, rank)).sum().div(world).backward()
     for grads in results:
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+@pytest.mark.multirank
+def test_ddp_parameter_used_on_some_ranks_only(rank_pool):
+    check_branchy_against_one_process(rank_pool, "partial")
 
 
 def torch_ddp_worker(rank, world_size):
@@ -236,31 +258,6 @@ def test_ddp_gradients_equal_torch_ddp(rank_pool):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def accumulate_then_skip_worker(rank, world_size):
-    """Micro-batch 1 (under no_sync) uses branch b; micro-batch 2 (synchronised) does not."""
-    topo = Topology.build(ParallelConfig(dp_replicate=world_size))
-    try:
-        torch.manual_seed(0)
-        model = DistributedDataParallel(Branchy(), topo.group("dp"), find_unused_parameters=True)
-        x = torch.full((2, 4), float(rank + 1))
-        with model.no_sync():
-            model(x, use_b=True).sum().backward()
-        model(2 * x, use_b=False).sum().backward()
-        return {n: p.grad.clone() for n, p in model.module.named_parameters()}
-    finally:
-        topo.destroy()
-
-
 @pytest.mark.multirank
 def test_ddp_keeps_gradients_accumulated_before_a_pass_that_skips_them(rank_pool):
-    world = 2
-    results = rank_pool.run(accumulate_then_skip_worker, world)
-    torch.manual_seed(0)
-    ref = Branchy()
-    for rank in range(world):
-        x = torch.full((2, 4), float(rank + 1))
-        ref(x, use_b=True).sum().div(world).backward()
-        ref(2 * x, use_b=False).sum().div(world).backward()
-    for grads in results:
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=name)
+    check_branchy_against_one_process(rank_pool, "accumulate_then_skip")

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from tessera.device import resolve_device
     from tessera.launch import env_world_size, launch_local, rank_entry, run_rank, under_torchrun
     from tessera.parallelize import validate_composition
     from tessera.train.config import load_config, validate_config
@@ -43,19 +44,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     if args.nproc is not None:
         cfg.run.nproc = args.nproc
-    if under_torchrun():
-        world = env_world_size()
-        validate_config(cfg, world)
-        validate_composition(cfg.parallel.resolved(world))
+    ranked = under_torchrun()  # torchrun made this process one rank and decided the world size
+    world = env_world_size() if ranked else cfg.run.nproc
+    validate_config(cfg, world)
+    validate_composition(cfg.parallel.resolved(world))
+    if ranked:
         summary = rank_entry(cfg)
         if os.environ.get("RANK", "0") == "0":
             print(_report(summary))
         return 0
-    world = cfg.run.nproc
-    validate_config(cfg, world)
-    validate_composition(cfg.parallel.resolved(world))
-    from tessera.device import resolve_device
-
     resolve_device(cfg.run.device)
     load_corpus(cfg.data, progress=cfg.run.progress)  # build the token cache once, before ranks start
     summary = launch_local(cfg, world) if world > 1 else run_rank(cfg)

@@ -8,8 +8,9 @@ so the collectives always match across ranks. At the end of backward the remaini
 and all are waited for. Total per step: 2(N-1)/N × gradient bytes per rank (ring all-reduce).
 
 Parameters that receive no gradient in a pass ("skip gradient") contribute what they hold (a gradient
-accumulated under ``no_sync``, or zeros); they never block a bucket forever and never cause a hang. With ``find_unused_parameters=True`` one more small all-reduce
-counts, per parameter, the ranks that used it, and a parameter no rank used keeps ``grad = None``,
+accumulated under ``no_sync``, or zeros); they never block a bucket forever and never cause a hang.
+With ``find_unused_parameters=True`` one more small all-reduce counts, per parameter, the ranks that
+hold a gradient for it, and a parameter no rank has one for keeps ``grad = None``,
 exactly as in a single process (so optimizers skip it). Inside ``no_sync()`` gradients only accumulate
 locally; the next synchronised backward reduces the accumulated sum, so every gradient is averaged
 exactly once.
@@ -108,11 +109,7 @@ class DistributedDataParallel(nn.Module):
                 f"a parameter of shape {tuple(p.shape)} received a second gradient in one backward pass; "
                 "data parallelism reduces each gradient once per pass (run the pieces in one backward)"
             )
-        view = bucket.view(i)
-        if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient: move it into the bucket
-            view.copy_(p.grad)
-            p.grad = view
-        bucket.used.add(id(p))
+        self._take(bucket, i, p)
         bucket.ready += 1
         self._launch_full_buckets()
 
@@ -151,15 +148,21 @@ class DistributedDataParallel(nn.Module):
         self._in_finish = False
 
     @staticmethod
-    def _adopt(bucket: Bucket, i: int, p: nn.Parameter) -> None:
-        """Put ``p``'s current gradient (or zeros if it has none) into its bucket slot."""
+    def _take(bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its bucket slot (copying a fresh gradient in) and count it as present."""
         view = bucket.view(i)
-        if p.grad is None:
-            view.zero_()
-            return
         if p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
+            p.grad = view
         bucket.used.add(id(p))
+
+    @classmethod
+    def _adopt(cls, bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """A parameter no hook delivered: its held gradient (from ``no_sync`` steps), or zeros."""
+        if p.grad is None:
+            bucket.view(i).zero_()
+        else:
+            cls._take(bucket, i, p)
 
     def _count_holders(self) -> torch.Tensor:
         """How many ranks hold a gradient for each parameter (one small all-reduce, after the buckets)."""
@@ -175,6 +178,6 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(bucket.params):
                 if holders is not None and holders[k] == 0:
                     p.grad = None
-                else:
+                elif p.grad is None:  # no gradient here, but the reduced one from the other ranks
                     p.grad = bucket.view(i)
                 k += 1
