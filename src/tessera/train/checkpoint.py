@@ -51,6 +51,47 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return path
 
 
+def save_sharded_checkpoint(path: Path, engine, model: nn.Module, meta: dict, world: CommGroup) -> Path:
+    """A ZeRO engine's checkpoint (collective over ``world``): the full model weights through DCP (every
+    rank holds or gathers them, DCP writes each once) and each rank's optimizer shard (fp32 masters and
+    state) as ``optim/rank<r>.pt``, which reloads at the same layout."""
+    partial = path.with_name(path.name + ".partial")
+    if world.rank == 0 and partial.exists():
+        shutil.rmtree(partial)
+    comm.barrier(world)
+    weights = engine.full_state() if hasattr(engine, "full_state") else {
+        k: v.detach() for k, v in model.state_dict().items()}
+    with _quiet_single_process():
+        dcp.save({"model": weights}, checkpoint_id=str(partial), no_dist=world.size == 1)
+    (partial / "optim").mkdir(parents=True, exist_ok=True)
+    shards = {"optimizer": engine.optimizer.state_dict(),
+              "masters": [s.master.detach().cpu() for s in engine.update.shards]}
+    torch.save(shards, partial / "optim" / f"rank{world.rank}.pt")
+    comm.barrier(world)
+    if world.rank == 0:
+        (partial / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if path.exists():
+            shutil.rmtree(path)
+        partial.rename(path)
+    comm.barrier(world)
+    return path
+
+
+def load_sharded_checkpoint(path: Path, engine, rank: int) -> dict:
+    """Restore a ZeRO engine from :func:`save_sharded_checkpoint` at the same layout (``rank`` = this
+    rank in the world the checkpoint was written by): optimizer state and fp32 masters of this rank's
+    slices, the compute-dtype slices from them, then the full parameters gathered again."""
+    shards = torch.load(path / "optim" / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+    engine.optimizer.load_state_dict(shards["optimizer"])
+    with torch.no_grad():
+        for shard, master in zip(engine.update.shards, shards["masters"], strict=True):
+            shard.master.copy_(master)
+            if shard.param.data_ptr() != shard.master.data_ptr():
+                shard.param.copy_(master)
+    engine.gather_params()
+    return json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load model (and optimizer) state saved by :func:`save_checkpoint`; returns ``trainer.json``."""
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (

@@ -62,18 +62,38 @@ class MemorySnapshot:
 class MemoryLedger:
     """Counts one rank's memory. ``track_activations()`` wraps a forward to measure saved tensors."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, grad_buffers=()):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, grad_buffers=(),
+                 state_fn=None):
         self.model = model
         self.optimizer = optimizer
         self.grad_buffers = list(grad_buffers)  # tensors a wrapper holds gradients in (DDP's buckets)
+        # a sharded engine's ``memory_tensors``: {"params", "grads", "optimizer"} → the tensors it holds
+        # (shards, flat buffers, fp32 masters); replaces counting through model and optimizer
+        self.state_fn = state_fn
         self.activation_bytes = 0
 
-    def snapshot(self, peak_device: int | None = None) -> MemorySnapshot:
+    def model_state(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state (masters included) this rank holds."""
+        if self.state_fn is not None:
+            held = self.state_fn()
+            return {k: storage_bytes(held[k]) for k in ("params", "grads", "optimizer")}
         params = list(self.model.parameters())
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes([p.grad for p in params] + self.grad_buffers),
+                "optimizer": storage_bytes(_optimizer_tensors(self.optimizer))}
+
+    def _param_keys(self) -> set:
+        keys = {storage_key(p) for p in self.model.parameters()}
+        if self.state_fn is not None:  # gathered ZeRO-3 parameters live in storages allocated per use
+            keys |= {storage_key(t) for t in self.state_fn()["params"] if t is not None}
+        return keys
+
+    def snapshot(self, peak_device: int | None = None) -> MemorySnapshot:
+        state = self.model_state()
         return MemorySnapshot(
-            params=storage_bytes(params),
-            grads=storage_bytes([p.grad for p in params] + self.grad_buffers),
-            optimizer=storage_bytes(_optimizer_tensors(self.optimizer)),
+            params=state["params"],
+            grads=state["grads"],
+            optimizer=state["optimizer"],
             activations=self.activation_bytes,
             peak_rss=peak_rss_bytes(),
             peak_device=peak_device or 0,
@@ -85,12 +105,12 @@ class MemoryLedger:
 
         The pack hook returns the tensor unchanged, so training is not altered.
         """
-        param_keys = {storage_key(p) for p in self.model.parameters()}
+        param_keys = self._param_keys()
         saved: dict[tuple, int] = {}
 
         def pack(t: torch.Tensor):
             key = storage_key(t)
-            if key not in param_keys:
+            if key not in param_keys and (self.state_fn is None or key not in self._param_keys()):
                 saved.setdefault(key, t.untyped_storage().nbytes())
             return t
 

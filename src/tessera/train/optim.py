@@ -36,15 +36,24 @@ class OptimConfig:
         return self
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters; weight decay on tensors of 2 or more dims."""
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Trainable parameters in two groups: weight decay on tensors of 2 or more dims, none on the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_factory(cfg: OptimConfig):
+    """``make(param_groups) -> AdamW``: how a sharded engine builds the optimizer over its master shards."""
+    return lambda groups: torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters; weight decay on tensors of 2 or more dims."""
+    return optimizer_factory(cfg)(param_groups(model, cfg))
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

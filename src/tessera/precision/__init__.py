@@ -1,0 +1,7 @@
+"""Mixed precision: low-precision parameters and gradients, fp32 master weights in the (sharded)
+optimizer, gradient reduction in a configurable dtype, dynamic loss scaling."""
+
+from tessera.precision.config import DTYPES, PrecisionConfig
+from tessera.precision.scaler import LossScaler
+
+__all__ = ["DTYPES", "LossScaler", "PrecisionConfig"]

@@ -1,0 +1,51 @@
+"""Configuration of mixed precision (the ``[precision]`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"  # parameter/compute dtype: fp32, bf16 or fp16 (fp32 master weights when not fp32)
+    reduce_dtype: str = ""  # dtype gradients are reduced in; empty: the compute dtype
+    loss_scale: str = "auto"  # "auto": dynamic for fp16, none otherwise; "dynamic"; "none"; or a fixed number
+    init_scale: float = 65536.0  # dynamic loss scaling: the first scale
+    growth_interval: int = 200  # dynamic loss scaling: double the scale after this many clean steps
+
+    def validate(self) -> PrecisionConfig:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"precision.dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
+        if self.reduce_dtype and self.reduce_dtype not in DTYPES:
+            raise ConfigError(
+                f"precision.reduce_dtype must be empty or one of {', '.join(DTYPES)}, got '{self.reduce_dtype}'")
+        if self.loss_scale not in ("auto", "dynamic", "none"):
+            try:
+                if float(self.loss_scale) <= 0:
+                    raise ValueError
+            except ValueError:
+                raise ConfigError(
+                    f"precision.loss_scale must be 'auto', 'dynamic', 'none' or a positive number, "
+                    f"got '{self.loss_scale}'") from None
+        if self.init_scale <= 0 or self.growth_interval < 1:
+            raise ConfigError("precision.init_scale must be positive and precision.growth_interval at least 1")
+        return self
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype or self.dtype]
+
+    @property
+    def mixed(self) -> bool:
+        """Low-precision parameters with separate fp32 master weights."""
+        return self.dtype != "fp32"

@@ -1,0 +1,57 @@
+"""Build the sharded data-parallel engine a configuration asks for (the one entry point for the trainer
+and the benchmarks)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tessera.comm.group import CommGroup
+from tessera.precision.config import PrecisionConfig
+from tessera.topology import Topology
+from tessera.zero.config import ZeroConfig
+from tessera.zero.stage12 import ZeroDataParallel
+from tessera.zero.stage3 import FullyShardedDataParallel
+from tessera.zero.wrap import Policy, class_policy, manual_policy, size_policy
+
+
+def wrap_policy(cfg: ZeroConfig, block_class: type | None, model: nn.Module | None = None) -> Policy:
+    """``block``: each transformer block, and the embedding and output head as units of their own, so
+    the root (which stays gathered between forward and backward) holds almost nothing."""
+    if cfg.wrap_policy == "block" and block_class is not None:
+        head = getattr(model, "output", None)
+        by_class = class_policy(block_class, nn.Embedding)
+        return lambda m, unwrapped: by_class(m, unwrapped) or (head is not None and m is head)
+    if cfg.wrap_policy == "manual":
+        return manual_policy
+    return size_policy(cfg.min_params)
+
+
+def shard_model(model: nn.Module, param_groups: list[dict],
+                make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], topology: Topology,
+                stage: int, zero: ZeroConfig, precision: PrecisionConfig, device: torch.device,
+                block_class: type | None = None) -> nn.Module:
+    """ZeRO-``stage`` over ``dp_shard`` (replicated over ``dp_replicate``); stage 0 here means DDP with
+    fp32 master weights over the whole ``dp`` group (used for mixed precision without sharding).
+
+    The returned engine owns the optimizer (``engine.optimizer``) and is stepped through
+    ``engine.clip_grad_norm(max_norm, inv_scale) -> (norm, finite)``, ``engine.step()`` and
+    ``engine.zero_grad()``.
+    """
+    offload = torch.device("cpu") if zero.offload else None
+    dtypes = dict(param_dtype=precision.param_dtype, reduce_dtype=precision.grad_reduce_dtype,
+                  offload_device=offload)
+    shard, replicate = topology.group("dp_shard"), topology.group("dp_replicate")
+    if shard.size == 1:  # no hybrid layout asked for: shard over every data-parallel rank
+        shard, replicate = topology.group("dp"), CommGroup.single("dp_replicate", topology.ledger)
+    if stage == 0:
+        shard, replicate, stage = CommGroup.single("dp_shard", topology.ledger), topology.group("dp"), 1
+    if stage in (1, 2):
+        return ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, stage,
+                                bucket_mb=zero.bucket_mb, **dtypes)
+    return FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
+                                    wrap_policy(zero, block_class, model), device,
+                                    reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
+                                    **dtypes)

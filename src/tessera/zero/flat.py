@@ -1,0 +1,44 @@
+"""Flat buffers: several parameters laid end to end in one 1-D tensor, padded so N ranks get equal
+slices. Parameters then become views into the buffer, so one collective moves all of them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def padded_size(numel: int, world: int) -> int:
+    """The smallest multiple of ``world`` that holds ``numel`` elements (at least ``world``)."""
+    return max(-(-numel // world), 1) * world
+
+
+def offsets_of(params: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Start offset of each tensor in a flat buffer, and the unpadded total."""
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    return offsets, total
+
+
+@torch.no_grad()
+def flatten_fp32(params: list[torch.Tensor], offsets: list[int], size: int) -> torch.Tensor:
+    """[size] fp32 buffer holding ``params`` at ``offsets``, zeros in the padding."""
+    flat = torch.zeros(size, dtype=torch.float32, device=params[0].device)
+    for p, o in zip(params, offsets):
+        flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+    return flat
+
+
+def rank_slice(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous 1/world of a padded flat buffer (a view)."""
+    n = flat.numel() // world
+    return flat[rank * n : (rank + 1) * n]
+
+
+def named_params_by_id(module: nn.Module) -> dict[int, str]:
+    """id(parameter) → its first qualified name (tied parameters keep one name)."""
+    out: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=True):
+        out.setdefault(id(p), name)
+    return out

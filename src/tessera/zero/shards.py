@@ -1,0 +1,110 @@
+"""The local half of every ZeRO stage: fp32 master shards, the optimizer over them, and the update.
+
+A :class:`Shard` is this rank's 1/N slice of one flat parameter buffer (a ZeRO-1/2 bucket or a ZeRO-3
+unit): ``param`` is the compute-dtype slice that is all-gathered, ``grad`` the reduced gradient slice
+(in the reduce dtype) and ``master`` the fp32 weights the optimizer steps. In fp32 without offload
+``master`` *is* ``param`` (no copy); with mixed precision or offload it is a separate fp32 tensor,
+on the host when offloading. Any optimizer whose update is elementwise (AdamW, SGD, Adagrad) gives the
+same result on the slices as on the whole tensors, so sharding does not change the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+
+
+@dataclass(eq=False)
+class Shard:
+    group: int  # index of the optimizer param group (e.g. with / without weight decay)
+    param: torch.Tensor  # [n] compute dtype; what the all-gather sends
+    master: nn.Parameter  # [n] fp32, on the offload device when offloading
+    grad: torch.Tensor | None = None  # [n] reduce dtype; None until the first reduction
+
+
+def make_master(param_shard: torch.Tensor, offload_device: torch.device | None) -> nn.Parameter:
+    """fp32 master weights for a shard: the shard itself when already fp32 and not offloaded."""
+    if param_shard.dtype == torch.float32 and offload_device is None:
+        return nn.Parameter(param_shard, requires_grad=True)
+    host = param_shard.detach().to(offload_device or param_shard.device, dtype=torch.float32, copy=True)
+    return nn.Parameter(host, requires_grad=True)
+
+
+class ShardedUpdate:
+    """Runs the optimizer on master shards; unscales, checks finiteness and clips across all shards.
+
+    ``make_optimizer(param_groups)`` builds the torch optimizer; ``group_options[g]`` are the extra
+    options of group g (e.g. ``{"weight_decay": 0.1}``). ``shard_group`` holds the different slices
+    (their norms are summed); ``check_groups`` are every group whose ranks could see an overflow.
+    """
+
+    def __init__(self, shards: list[Shard], group_options: list[dict],
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 shard_group: CommGroup, check_groups: list[CommGroup], device: torch.device):
+        self.shards = shards
+        self.device = device  # where the small flag / norm tensors live (NCCL needs the accelerator)
+        self.shard_group = shard_group
+        self.check_groups = check_groups
+        groups = [{"params": [s.master for s in shards if s.group == g], **opts}
+                  for g, opts in enumerate(group_options)]
+        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+
+    @torch.no_grad()
+    def prepare_grads(self, inv_scale: float) -> bool:
+        """master.grad = fp32(grad) / loss scale (on the master's device); returns whether all ranks'
+        gradients are finite (one tiny all-reduce per check group)."""
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in self.shards:
+            g = s.grad if s.grad is not None else torch.zeros_like(s.param)
+            g32 = g.to(s.master.device, dtype=torch.float32, non_blocking=True)
+            if g32.data_ptr() == g.data_ptr():
+                g32 = g32 if inv_scale == 1.0 else g32.mul(inv_scale)
+            elif inv_scale != 1.0:
+                g32.mul_(inv_scale)
+            s.master.grad = g32
+            flag = torch.maximum(flag, (~torch.isfinite(g32)).any().float().to(flag.device))
+        for group in self.check_groups:
+            comm.all_reduce(flag, group, op="max")
+        return not bool(flag)
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> float:
+        """Global L2 norm of the gradient over every shard (each element counted once); scale to max_norm."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in self.shards:
+            sq += s.master.grad.float().pow(2).sum().to(sq.device)
+        comm.all_reduce(sq, self.shard_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for s in self.shards:
+                s.master.grad.mul_(scale.to(s.master.grad.device))
+        return float(norm)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Optimizer step on the masters, then the compute-dtype shards take the new values."""
+        self.optimizer.step()
+        for s in self.shards:
+            if s.master.data_ptr() != s.param.data_ptr():
+                s.param.copy_(s.master.detach(), non_blocking=True)
+
+    def zero_grad(self) -> None:
+        for s in self.shards:
+            s.master.grad = None
+            if s.grad is not None:
+                s.grad.zero_()
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Model-state tensors this rank holds, by MemoryLedger category (masters count as optimizer
+        state when they are separate from the parameters, as in the ZeRO paper's K)."""
+        masters = [s.master for s in self.shards if s.master.data_ptr() != s.param.data_ptr()]
+        states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": [s.param for s in self.shards], "grads": [s.grad for s in self.shards],
+                "optimizer": masters + states}

@@ -1,0 +1,236 @@
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer state all sharded over ``dp_shard``, in units.
+
+Per unit (a module chosen by a wrap policy; the root takes the rest) and per optimizer param group,
+one :class:`FlatParam`. Forward communication: an all-gather of the unit's parameters just before its
+forward (the next unit's all-gather is started right after, so it overlaps this unit's compute), freed
+after the forward when ``reshard_after_forward``. Backward communication: the all-gather again just
+before the unit's backward (prefetching the unit before it), then one reduce-scatter (sum) of the
+unit's gradient as soon as its backward ends, and, with hybrid sharding, an all-reduce of the slice
+over ``dp_replicate``. Per step: 2 all-gathers + 1 reduce-scatter = 1.5× DDP's bytes.
+
+Works with activation checkpointing: a recomputed forward runs the pre-forward hook again, which
+finds the unit already gathered for its backward and does not free it afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.zero.flat import named_params_by_id
+from tessera.zero.flat_param import FlatParam
+from tessera.zero.shards import ShardedUpdate
+from tessera.zero.wrap import Policy, select_units, unit_settings
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward gathers the unit's parameters (before its backward)."""
+
+    @staticmethod
+    def forward(ctx, unit, *xs):
+        ctx.unit = unit
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.engine.before_backward(ctx.unit)
+        return (None, *grads)
+
+
+class Unit:
+    """One wrapped module: its flat parameters (one per param group) and its schedule state."""
+
+    def __init__(self, engine, module: nn.Module, flats: list[FlatParam], is_root: bool, reshard: bool):
+        self.engine, self.module, self.flats, self.is_root = engine, module, flats, is_root
+        self.reshard_after_forward = reshard and not is_root  # the root is needed again at once
+        self.in_backward = False
+
+    def gather(self, async_op: bool = False) -> None:
+        for f in self.flats:
+            f.gather(async_op)
+
+    def reshard(self) -> None:
+        for f in self.flats:
+            f.reshard()
+
+    def use_views(self) -> None:
+        for f in self.flats:
+            f.use_views()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 around ``module``: ``policy`` picks the units (see ``tessera.zero.wrap``)."""
+
+    def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
+                 replicate: CommGroup, policy: Policy, device: torch.device,
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
+                 offload_device: torch.device | None = None):
+        super().__init__()
+        self.module = module
+        self.shard_group, self.replicate_group = shard, replicate
+        self.reduce_dtype = reduce_dtype or param_dtype
+        self.prefetch = prefetch
+        group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
+        names = named_params_by_id(module)
+        modules = select_units(module, policy)
+        owner_unit = _owning_units(module, modules)
+        self.units: list[Unit] = []
+        for m in modules:
+            settings = unit_settings(m) or {}
+            flats = []
+            for g in range(len(param_groups)):
+                entries = [(p, locs, names[id(p)]) for p, (u, locs) in owner_unit.items()
+                           if u is m and group_of.get(id(p)) == g]
+                if entries:
+                    flats.append(FlatParam(entries, g, shard, replicate, device, param_dtype, offload_device))
+            unit = Unit(self, m, flats, m is module, settings.get("reshard_after_forward", reshard_after_forward))
+            self.units.append(unit)
+            m.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u))
+            m.register_forward_hook(lambda mod, args, out, u=unit: self._post_forward(u, out))
+            for f in flats:
+                f.full.register_post_accumulate_grad_hook(lambda t, u=unit, f=f: self._post_backward(u, f))
+        self.order: list[Unit] = []  # forward order, recorded on the first forward
+        self._pending: list = []  # (flat, handle, out, src) reduce-scatters in launch order
+        self._queued = False
+        options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        self.flats = [f for u in self.units for f in u.flats]
+        self.update = ShardedUpdate([f.shard for f in self.flats], options, make_optimizer, shard,
+                                    [shard, replicate], device)
+        self.optimizer = self.update.optimizer
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit) -> None:
+        if not unit.in_backward and unit not in self.order:
+            self.order.append(unit)
+        unit.gather()
+        unit.use_views()
+        if self.prefetch and not unit.in_backward:
+            i = self.order.index(unit)
+            if i + 1 < len(self.order):
+                self.order[i + 1].gather(async_op=True)
+
+    def _post_forward(self, unit: Unit, out):
+        if unit.in_backward:  # a recomputation inside backward: keep the parameters for the backward
+            return out
+        if torch.is_grad_enabled():
+            out = _attach_pre_backward(unit, out)
+        if unit.reshard_after_forward:
+            unit.reshard()
+        return out
+
+    # ---- backward --------------------------------------------------------------------------------
+    def before_backward(self, unit: Unit) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if unit.in_backward:
+            return
+        unit.in_backward = True
+        unit.gather()
+        unit.use_views()
+        if self.prefetch and unit in self.order:
+            i = self.order.index(unit)
+            if i > 0:
+                self.order[i - 1].gather(async_op=True)
+
+    def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
+        grad, flat.full.grad = flat.full.grad, None
+        flat.reduced = True
+        self._pending.append((flat, *flat.launch_reduce(grad, self.reduce_dtype)))
+        flat.reshard()
+        # the earlier reduce-scatters had this unit's backward to overlap with: finish them now, so
+        # at most one full gradient stays alive while backward goes on
+        while len(self._pending) > 1:
+            self._complete(*self._pending.pop(0))
+
+    def _complete(self, flat: FlatParam, handle, out: torch.Tensor, src: torch.Tensor) -> None:
+        handle.wait()
+        comm.all_reduce(out, self.replicate_group, op="sum")
+        flat.keep_grad(out)
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        """Reduce flat params whose gradient never arrived (as zeros, so every rank issues the same
+        calls), wait for the reduce-scatters in launch order, all-reduce across replicas, keep slices."""
+        for f in self.flats:
+            if not f.reduced:
+                self._pending.append((f, *f.launch_reduce(None, self.reduce_dtype)))
+        for pending in self._pending:
+            self._complete(*pending)
+        self._pending.clear()
+        for f in self.flats:
+            f.reduced = False
+        for u in self.units:
+            u.in_backward = False
+            u.reshard()
+        self._queued = False
+
+    # ---- the step ------------------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: float, inv_scale: float = 1.0) -> tuple[float, bool]:
+        finite = self.update.prepare_grads(inv_scale)
+        norm = self.update.clip(max_norm) if finite else float("inf")
+        return norm, finite
+
+    def step(self) -> None:
+        """Update this rank's slices (no communication: the next forward gathers the new values)."""
+        self.update.step()
+
+    def gather_params(self) -> None:
+        """Nothing to do: every forward gathers the current slices."""
+
+    def zero_grad(self) -> None:
+        self.update.zero_grad()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out = self.update.tensors()
+        out["params"] = out["params"] + [f.full for f in self.flats]  # gathered storage counts while held
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Qualified name → full parameter value (collective: every rank must call it)."""
+        out = {}
+        for f in self.flats:
+            out.update(f.full_values())
+        return out
+
+
+def _attach_pre_backward(unit: Unit, out):
+    if isinstance(out, torch.Tensor):
+        return _PreBackward.apply(unit, out)[0] if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        idx = [i for i, x in enumerate(out) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return out
+        new = _PreBackward.apply(unit, *[out[i] for i in idx])
+        items = list(out)
+        for i, x in zip(idx, new):
+            items[i] = x
+        return type(out)(items)
+    return out
+
+
+def _owning_units(root: nn.Module, units: list[nn.Module]) -> dict:
+    """parameter → (unit module, [(owner module, attribute)...]); a parameter used from two units
+    (tied weights) belongs to the root, which is gathered whenever either runs."""
+    unit_ids = {id(m) for m in units}
+    found: dict = {}
+
+    def visit(module: nn.Module, unit: nn.Module) -> None:
+        if id(module) in unit_ids:
+            unit = module
+        for attr, p in module._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            u, locs = found.get(p, (unit, []))
+            found[p] = (u if u is unit else root, locs + [(module, attr)])
+        for child in module.children():
+            visit(child, unit)
+
+    visit(root, root)
+    return found

@@ -1,0 +1,20 @@
+"""Combinations of ZeRO, mixed precision and activation checkpointing that cannot work, rejected with
+one sentence before any rank starts."""
+
+from __future__ import annotations
+
+from tessera.errors import ConfigError
+
+
+def validate_memory_savers(cfg) -> None:
+    """``cfg`` is a JobConfig (sections ``parallel``, ``ddp``, ``zero``, ``precision``, ``checkpointing``)."""
+    stage = cfg.parallel.zero_stage
+    if cfg.zero.offload and stage == 0:
+        raise ConfigError("zero.offload moves the sharded optimizer to the host, so it needs "
+                          "parallel.zero_stage of 1, 2 or 3")
+    if stage > 0 and cfg.ddp.find_unused_parameters:
+        raise ConfigError("ddp.find_unused_parameters applies to DDP only (ZeRO reduces unused parameters' "
+                          "gradients as zeros); set it to false or parallel.zero_stage=0")
+    if cfg.precision.dtype == "fp32" and cfg.precision.loss_scale == "dynamic":
+        raise ConfigError("precision.loss_scale=dynamic protects fp16 gradients from underflow and has no "
+                          "use with precision.dtype=fp32; set precision.loss_scale=none")
