@@ -1,0 +1,251 @@
+"""The trainer's adapter to pipeline parallelism: one optimizer step of a pipelined Transformer (pp x dp).
+
+``PipelineStep`` mirrors what ``tessera.train.step`` does for an unpipelined model, with the same token
+weighting (every micro-batch's summed token loss divided by the global token count over all micro-batches
+and data-parallel ranks), so a pipelined run computes the same losses and gradients as one process.
+
+Per step, on every rank (collectives in the same order everywhere)::
+
+    result = ps.forward_backward(batches)      # pipeline step, tied grads summed, dp all-reduce
+    norm = ps.clip_grad_norm(max_norm)         # PipeDream async: the norm its in-schedule updates clipped
+    if not ps.steps_inside:                    # flush schedules and 2BW: the trainer updates
+        ps.optimizer.step()
+    scheduler.step(); ps.optimizer.zero_grad(set_to_none=True)
+
+Communication: forward and backward p2p on "pp" (executor.py); after the step, one exchange of the tied
+embedding gradient between the first and last pp rank, this stage's gradients summed over "dp" in
+flattened buckets, the loss broadcast from the last stage over "pp" and summed over "dp"; clipping sums
+squared norms over "pp". Shapes: x_BS, y_BS token ids; activations activation_BSD between stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.errors import ConfigError
+from tessera.models import cross_entropy_sum
+from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
+from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
+from tessera.train.optim import OptimConfig, build_optimizer
+from tessera.train.step import IGNORE_INDEX, StepResult, global_token_count
+
+BUCKET_BYTES = 25 * 2**20  # gradients flattened into all-reduce buckets of at most this size
+
+
+class PipelineStep:
+    """This rank's stages of ``model`` (a seeded reference Transformer identical on every rank), run by the
+    schedule of ``cfg`` over the topology's "pp" group, replicated over its "dp" group.
+
+    The adapter owns its optimizer (``self.optimizer``, AdamW from ``optim_cfg`` over this rank's stage
+    parameters, as ZeRO engines own theirs): PipeDream async updates inside the schedule, after every
+    micro-batch's backward, so the optimizer must be reachable from the pipeline.
+    """
+
+    def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
+                 optim_cfg: OptimConfig):
+        self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
+        self.pp: CommGroup = topology.group("pp")
+        self.dp: CommGroup = topology.group("dp")
+        if self.pp.size * self.dp.size != topology.world_size:
+            raise ConfigError(f"pipeline parallelism composes only with data parallelism here, but pp="
+                              f"{self.pp.size} x dp={self.dp.size} != {topology.world_size} ranks.")
+        tied = bool(getattr(model.cfg, "tie_embeddings", False))
+        if tied and cfg.schedule == "pipedream" and self.pp.size > 1:
+            raise ConfigError("pipeline.schedule 'pipedream' cannot keep tied embeddings equal (the first and "
+                              "last stage update at different times); set tie_embeddings = false.")
+        self.steps_inside = cfg.schedule == "pipedream"  # the schedule itself calls optimizer.step()
+        self.timeline = Timeline(self.pp.rank, enabled=cfg.timeline)
+        self._divisor = 1.0  # loss_fn divides each micro-batch's summed loss by this (the global tokens)
+        self._sums: list[torch.Tensor] = []  # summed token loss per micro-batch, on the last stage's rank
+        self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
+                                             on_step=self._on_step if self.steps_inside else None)
+        self.module = _rank_module(self.pipe)
+        self.optimizer = build_optimizer(self.module, optim_cfg)
+        self.last_grad_norm = 0.0  # PipeDream async: the norm before the last in-schedule clipping
+
+    # ---- parameters --------------------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stage parameters (every virtual stage it holds)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stage parameters under the full model's names (e.g. ``layers.3.attention.wq.weight``)."""
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under the full model's names (the tied head as ``output.weight``)."""
+        return self.pipe.state_dict()
+
+    # ---- one optimizer step ------------------------------------------------------------------------
+
+    def _loss_fn(self, logits_BSV: torch.Tensor, y_BS: torch.Tensor) -> torch.Tensor:
+        s, _ = cross_entropy_sum(logits_BSV, y_BS, ignore_index=IGNORE_INDEX)
+        self._sums.append(s.detach().double())
+        return s / torch.as_tensor(self._divisor, dtype=s.dtype)
+
+    def _split(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rank's whole batch (the sampler's micro-batches concatenated) cut into the schedule's count."""
+        x_BS = torch.cat([x for x, _ in batches])
+        y_BS = torch.cat([y for _, y in batches])
+        m = self.pipe.schedule.n_microbatches
+        if x_BS.shape[0] % m:
+            raise ConfigError(f"pipeline.microbatches={m} does not divide this rank's batch of "
+                              f"{x_BS.shape[0]} sequences.")
+        return list(zip(x_BS.chunk(m), y_BS.chunk(m)))
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         activation_tracker=None) -> StepResult:
+        """Gradients of the global-mean loss over this dp rank's ``batches`` (summed over "dp" afterwards;
+        PipeDream async has already applied them). The returned loss is the same float on every rank."""
+        total_tokens = global_token_count(batches, self.dp, self.device)
+        self._divisor, self._sums = float(total_tokens), []
+        micro = self._split(batches)
+        self.timeline.clear()  # keep the last step only: write_timeline measures it
+        tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
+        with tracking:  # every micro-batch in flight at once on this rank counts
+            self.pipe.step(micro)
+        if not self.steps_inside:
+            self._reduce_grads()
+        loss = self._broadcast_loss()
+        comm.all_reduce(loss, self.dp)
+        return StepResult(loss=float(loss / total_tokens), tokens=int(total_tokens))
+
+    def _broadcast_loss(self) -> torch.Tensor:
+        """This dp replica's summed token loss (float64), from the last stage's rank to every pp rank."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for s in self._sums:
+            total += s
+        last = self.pipe.schedule.rank_of(self.pipe.schedule.n_stages - 1)
+        comm.broadcast(total, self.pp, src=last)
+        return total
+
+    def _reduce_grads(self) -> None:
+        """Sum this stage's gradients over "dp", flattened into buckets of at most BUCKET_BYTES."""
+        if self.dp.size == 1:
+            return
+        params = list(self.parameters())
+        for p in params:
+            if p.grad is None:  # a stage parameter no micro-batch reached: zeros, so all ranks agree
+                p.grad = torch.zeros_like(p)
+        bucket, size = [], 0
+        for p in params:
+            bucket.append(p)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= BUCKET_BYTES:
+                _all_reduce_flat(bucket, self.dp)
+                bucket, size = [], 0
+        if bucket:
+            _all_reduce_flat(bucket, self.dp)
+
+    def _on_step(self) -> None:
+        """PipeDream async: one update after every micro-batch's backward (the schedule's STEP action)."""
+        self._reduce_grads()
+        self.last_grad_norm = self._clip(self.optim_cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the global L2 norm over every stage (squares summed over "pp"; the tied head's copy of
+        the embedding counted once) and return the norm before clipping. ``max_norm`` 0 only measures.
+        With ``steps_inside`` the updates are done and clipped already (by ``optim_cfg.grad_clip``): this
+        returns the last of those norms and communicates nothing (the same on every rank)."""
+        return self.last_grad_norm if self.steps_inside else self._clip(max_norm)
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> float:
+        counted = [p for p in self._norm_params() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in counted:
+            sq += p.grad.detach().float().pow(2).sum()
+        comm.all_reduce(sq, self.pp)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+        return float(norm)
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradient counts in the norm: all but the last stage's tied head, a copy of the
+        first stage's embedding (same values, same summed gradient)."""
+        sched = self.pipe.schedule
+        skip = set()
+        last = self.pipe.stages.get(sched.n_stages - 1)
+        if self.pipe.tied and last is not None and sched.n_stages > 1:
+            first = self.pipe.stages.get(0)
+            if first is None or first.tok_embeddings.weight is not last.output.weight:
+                skip.add(id(last.output.weight))
+        return [p for p in self.parameters() if id(p) not in skip]
+
+    # ---- evaluation --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> float:
+        """Mean token loss over this dp rank's validation batches (lists of micro-batches), over all dp
+        ranks: the same float on every rank (forward-only schedule; live weights)."""
+        modes = [m.training for m in self.pipe.stages.values()]
+        for m in self.pipe.stages.values():
+            m.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, token count]
+        self._divisor = 1.0
+        try:
+            for micro in batches:
+                self._sums = []
+                totals[0] += self.pipe.evaluate(micro).to(self.device)
+                totals[1] += sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in micro)
+        finally:
+            for m, mode in zip(self.pipe.stages.values(), modes):
+                m.train(mode)
+        comm.all_reduce(totals, self.dp)
+        return float(totals[0] / totals[1])
+
+    # ---- timeline ----------------------------------------------------------------------------------
+
+    def write_timeline(self, run_dir) -> dict:
+        """Collective over "pp": gather the last step's Timeline; global rank 0 writes ``trace.json``
+        (Chrome trace) and ``timeline.png`` (Gantt) into ``run_dir``. Returns ``{"bubble_fraction": b}`` on
+        every rank ({} when ``pipeline.timeline`` is off)."""
+        if not self.timeline.enabled:
+            return {}
+        events = gather(self.timeline, self.pp)
+        bubble, _ = bubble_fraction(events, self.pp.size)
+        if self.pp.global_rank == 0:
+            write_chrome_trace(os.path.join(run_dir, "trace.json"), events)
+            title = f"{self.cfg.schedule} pp={self.pp.size} m={self.pipe.schedule.n_microbatches}"
+            write_gantt_png(os.path.join(run_dir, "timeline.png"), events, title, bubble)
+        return {"bubble_fraction": bubble}
+
+
+def _all_reduce_flat(params: list[nn.Parameter], group: CommGroup) -> None:
+    """One all-reduce (sum) of the gradients of ``params`` flattened into one buffer."""
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    comm.all_reduce(flat, group)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def _rank_module(pipe: Pipeline) -> nn.Module:
+    """One nn.Module over this rank's stages whose parameter names are the full model's: the stages'
+    ``layers`` merged into one ModuleDict, plus the embedding / norm / head where this rank holds them
+    (shared, not copied). Checkpoints (DCP) and memory accounting take it as the model."""
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict()
+    for s in sorted(pipe.stages):
+        stage = pipe.stages[s]
+        for key, layer in stage.layers.items():
+            holder.layers[key] = layer
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(stage, name, None) is not None:
+                setattr(holder, name, getattr(stage, name))
+    return holder
