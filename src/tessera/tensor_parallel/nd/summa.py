@@ -1,0 +1,87 @@
+"""SUMMA linear layers: Colossal-AI's 2D (q×q) and 2.5D (q×q×d) tensor parallelism.
+
+Y = X Aᵀ with X [T, I] and the weight A [O, I] (nn.Linear orientation). Rank (dep, i, j) holds the
+activation block X_ij [T/(d·q), I/q] (tokens split over depth and grid rows, features over grid columns)
+and the weight block A_ji [O/q, I/q] (output block j, input block i), the same on every depth layer.
+
+Forward, for k = 0..q-1 (SUMMA): broadcast X_ik along the row (from column k) and A_jk along the column
+(from row k); Y_ij += X_ik A_jkᵀ. Per layer: q broadcasts of T/(dq)·I/q and q of O/q·I/q elements.
+Backward, for k = 0..q-1: broadcast A_jk along the column, reduce dY_ij A_jk along the row to column k
+(= dX_ik); broadcast X_ik along the row, reduce dY_ijᵀ X_ik along the column to row k (= dA_jk). Under 2.5D
+the weight gradient is then all-reduced over the d depth layers (each saw 1/d of the tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm import collectives as C
+from tessera.tensor_parallel.linear import mark_sharded
+from tessera.tensor_parallel.nd.grid import Grid2D
+
+
+def _bcast(t: torch.Tensor, group, src: int) -> torch.Tensor:
+    buf = t.contiguous().clone() if group.rank == src else torch.empty_like(t)
+    C.broadcast(buf, group, src=src)
+    return buf
+
+
+def _reduce_to(t: torch.Tensor, group, dst: int) -> torch.Tensor | None:
+    t = t.contiguous()
+    C.reduce(t, group, dst=dst)
+    return t if group.rank == dst else None
+
+
+class _Summa(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TI, w_OI, grid: Grid2D):
+        ctx.save_for_backward(x_TI, w_OI)
+        ctx.grid = grid
+        y_TO = x_TI.new_zeros(x_TI.shape[0], w_OI.shape[0])
+        for k in range(grid.q):
+            y_TO += _bcast(x_TI, grid.row, k) @ _bcast(w_OI, grid.col, k).t()
+        return y_TO
+
+    @staticmethod
+    def backward(ctx, dy_TO):
+        x_TI, w_OI = ctx.saved_tensors
+        grid = ctx.grid
+        dy_TO = dy_TO.contiguous()
+        dx, dw = None, None
+        for k in range(grid.q):
+            got = _reduce_to(dy_TO @ _bcast(w_OI, grid.col, k), grid.row, k)
+            dx = got if got is not None else dx
+            got = _reduce_to(dy_TO.t() @ _bcast(x_TI, grid.row, k), grid.col, k)
+            dw = got if got is not None else dw
+        return dx, dw, None
+
+
+class Linear2D(nn.Module):
+    """A linear layer on a 2D / 2.5D grid (no bias). Input [..., I/q] → output [..., O/q], tokens split
+    over depth × rows. Communication: see the module docstring; the 2.5D depth all-reduce of the weight
+    gradient comes from ``copy_to`` on the weight over the depth group."""
+
+    def __init__(self, in_features: int, out_features: int, grid: Grid2D):
+        super().__init__()
+        q = grid.q
+        if in_features % q or out_features % q:
+            raise ValueError(f"a {in_features}→{out_features} layer cannot be split over a {q}×{q} grid")
+        self.grid, self.in_features, self.out_features = grid, in_features, out_features
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // q, in_features // q)))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, grid: Grid2D) -> Linear2D:
+        if linear.bias is not None:
+            raise ValueError("Linear2D has no bias; the reference model's linears have none")
+        layer = cls(linear.in_features, linear.out_features, grid)
+        with torch.no_grad():
+            block = linear.weight.chunk(grid.q, dim=0)[grid.j].chunk(grid.q, dim=1)[grid.i]
+            layer.weight.copy_(block)
+        return layer.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = comm.copy_to(self.weight, self.grid.depth)  # 2.5D: weight grads summed over depth layers
+        y_TO = _Summa.apply(x.reshape(-1, x.shape[-1]), w, self.grid)
+        return y_TO.view(*x.shape[:-1], -1)
