@@ -44,6 +44,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    num_experts: int = 0  # mixture of experts: experts per MoE layer; 0 = dense model
+    moe_every: int = 2  # every moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...) is MoE
 
     @property
     def head_dim(self) -> int:
@@ -67,6 +69,11 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"Model dropout must be in [0, 1), got {self.dropout!r}.")
+        if self.num_experts < 0 or self.moe_every < 1:
+            raise ConfigError(
+                f"Model num_experts must be >= 0 and moe_every >= 1, got {self.num_experts} "
+                f"and {self.moe_every}."
+            )
         if self.head_dim % 2:
             raise ConfigError(
                 f"Head dim {self.head_dim} (dim / n_heads) must be even because RoPE rotates "
@@ -76,26 +83,45 @@ class ModelConfig:
 
     # ---- analytic counts -------------------------------------------------------------
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` uses the mixture-of-experts feed-forward."""
+        return self.num_experts > 0 and layer_id % self.moe_every == self.moe_every - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def _moe_ffn_params(self, moe) -> int:
+        """One MoE feed-forward: router (D*E) + E experts (+ residual MLP and its 2-way mixer, + shared)."""
+        d, f, n_exp = self.dim, self.ffn_hidden_dim, self.num_experts
+        extra = (3 * d * f + 2 * d) if moe is not None and moe.use_residual else 0
+        shared = 3 * d * f * moe.num_shared_experts if moe is not None else 0
+        return d * n_exp + n_exp * 3 * d * f + extra + shared
+
     def _layer_params(self) -> int:
-        """Parameters of one TransformerBlock: attention + SwiGLU + two RMSNorm weights."""
+        """Parameters of one dense TransformerBlock: attention + SwiGLU + two RMSNorm weights."""
         d, e = self.dim, self.head_dim
         attn = d * (self.n_heads * e) * 2 + d * (self.n_kv_heads * e) * 2  # wq, wo, wk, wv
         ffn = 3 * d * self.ffn_hidden_dim  # w1, w3, w2
         return attn + ffn + 2 * d
 
-    def num_params(self, include_embeddings: bool = True) -> int:
-        """Parameter count of `Transformer(self)`, tied embeddings counted once.
+    def num_params(self, include_embeddings: bool = True, moe=None) -> int:
+        """Parameter count of `Transformer(self, moe)`, tied embeddings counted once.
 
         include_embeddings=False leaves out the token-embedding table (V*D); with tied
         embeddings that table is also the output projection, so it is left out too.
+        `moe` (a models.moe.MoEConfig, default None = no residual MLP, no shared experts)
+        only matters when num_experts > 0.
         """
         v, d = self.vocab_size, self.dim
         body = self.n_layers * self._layer_params() + d  # + final norm
+        ffn = 3 * d * self.ffn_hidden_dim
+        body += self.num_moe_layers * (self._moe_ffn_params(moe) - ffn)
         untied_head = 0 if self.tie_embeddings else v * d
         embed = v * d if include_embeddings else 0
         return body + untied_head + embed
 
-    def flops_per_token(self, seq_len: int) -> int:
+    def flops_per_token(self, seq_len: int, moe=None) -> int:
         """Training FLOPs per token: 6*N + 12*L*D*S (PaLM appendix B / Chinchilla convention).
 
         N counts the weights used in matmuls: every parameter except the input embedding
@@ -105,6 +131,10 @@ class ModelConfig:
         and backward), which no parameter accounts for; it ignores the causal mask saving.
         """
         n_matmul = self.num_params(include_embeddings=False)
+        if self.num_experts:  # a token only runs through its top_k experts (default MoEConfig: 2)
+            top_k = moe.top_k if moe is not None else 2
+            idle = max(self.num_experts - top_k, 0) * 3 * self.dim * self.ffn_hidden_dim
+            n_matmul -= self.num_moe_layers * idle
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
         return 6 * n_matmul + 12 * self.n_layers * self.dim * seq_len
@@ -133,6 +163,8 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
         ffn_hidden_dim=11008, max_seq_len=4096,
     ),
+    # Mixture of experts: `small` with 8 experts (half-width SwiGLU) in blocks 1 and 3.
+    "moe-small": ModelConfig(ffn_hidden_dim=344, num_experts=8, moe_every=2),
     # Llama-2-70B.
     "70B": ModelConfig(
         vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -76,6 +76,32 @@ def repeat_kv(x_BSKE: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x_BSKE[:, :, :, None, :].expand(b, s, k, n_rep, e).reshape(b, s, k * n_rep, e)
 
 
+class CausalCoreAttention(nn.Module):
+    """The softmax(QK^T/sqrt(E))V step of causal attention, on one device (no parameters).
+
+    Kept as its own module so a context-parallel pass can swap it for a distributed one
+    (ring attention, Ulysses, ...) without touching the projections around it. Takes the
+    post-RoPE q [B, S, H, E] and un-repeated k, v [B, S, K, E]; returns y [B, S, H, E].
+    """
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q_BSHE: torch.Tensor, k_BSKE: torch.Tensor, v_BSKE: torch.Tensor) -> torch.Tensor:
+        # Repeat kv heads by hand: SDPA's enable_gqa does not exist on torch 2.4.
+        n_rep = q_BSHE.shape[2] // k_BSKE.shape[2]
+        k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
+        y_BHSE = F.scaled_dot_product_attention(
+            q_BSHE.transpose(1, 2),
+            k_BSHE.transpose(1, 2),
+            v_BSHE.transpose(1, 2),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+        )
+        return y_BHSE.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE.
 
@@ -96,6 +122,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Output ("residual") dropout of the attention branch, applied here as in GPT-2.
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # Replaceable from outside (context parallelism swaps in a distributed core).
+        self.core_attention: nn.Module = CausalCoreAttention(cfg.dropout)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSD.shape
@@ -103,17 +131,8 @@ class Attention(nn.Module):
         k_BSKE = self.wk(x_BSD).view(b, s, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(b, s, -1, self.head_dim)
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
-        # Repeat kv heads by hand: SDPA's enable_gqa does not exist on torch 2.4.
-        n_rep = self.n_heads // self.n_kv_heads
-        k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
-        y_BHSE = F.scaled_dot_product_attention(
-            q_BSHE.transpose(1, 2),
-            k_BSHE.transpose(1, 2),
-            v_BSHE.transpose(1, 2),
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )
-        y_BSD = y_BHSE.transpose(1, 2).reshape(b, s, -1)  # -1 = local H*E under TP
+        y_BSHE = self.core_attention(q_BSHE, k_BSKE, v_BSKE)
+        y_BSD = y_BSHE.reshape(b, s, -1)  # -1 = local H*E under TP
         return self.resid_dropout(self.wo(y_BSD))
 
 
@@ -133,12 +152,18 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + dropout(ffn(norm(h)))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, moe=None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        if cfg.is_moe_layer(layer_id):  # mixture of experts (models/moe.py) with `moe`: MoEConfig
+            from tessera.models.moe import MoEConfig, MoEFeedForward  # moe.py imports this file
+
+            moe_cfg = moe if moe is not None else MoEConfig()
+            self.feed_forward = MoEFeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.num_experts, moe_cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
         # Attention drops its own output; this drops the FFN branch before the residual add.
         self.resid_dropout = nn.Dropout(cfg.dropout)
 

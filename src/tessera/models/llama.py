@@ -24,12 +24,14 @@ _RESIDUAL_PROJECTIONS = ("wo", "w2")
 class Transformer(nn.Module):
     """Decoder-only transformer: embeddings -> L pre-norm blocks -> RMSNorm -> vocab head."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe=None):
+        """`moe`: a models.moe.MoEConfig for the MoE blocks (num_experts > 0); None = its defaults."""
         super().__init__()
         self.cfg = cfg.validate()
+        self.moe_cfg = moe
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, moe) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Non-persistent: derived from cfg, so they stay out of checkpoints and state dicts.
@@ -80,23 +82,29 @@ class Transformer(nn.Module):
         self.rope_cos = cos_SE2.to(self.rope_cos.device)
         self.rope_sin = sin_SE2.to(self.rope_sin.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int -> logits [B, S, V].
 
         On a pipeline stage without `tok_embeddings` the input is hidden states [B, S, D];
-        without `norm`/`output` the result is hidden states [B, S, D].
+        without `norm`/`output` the result is hidden states [B, S, D]. `positions` [S] (int)
+        are the absolute positions of the S tokens, for a context-parallel rank that holds
+        a shard of a longer sequence; None means 0..S-1.
         """
         seq_len = tokens.shape[1]
-        if seq_len > self.cfg.max_seq_len:
+        last = seq_len if positions is None else int(positions.max()) + 1
+        if last > self.cfg.max_seq_len:
             raise ValueError(
-                f"Sequence length {seq_len} exceeds the model's max_seq_len "
+                f"Sequence length {last} exceeds the model's max_seq_len "
                 f"{self.cfg.max_seq_len}; shorten the batch or raise max_seq_len."
             )
         if self.tok_embeddings is not None:
             h_BSD = self.emb_dropout(self.tok_embeddings(tokens))
         else:
             h_BSD = tokens
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:  # the rotary angles of the positions this shard holds
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, cos, sin)
         if self.norm is not None:

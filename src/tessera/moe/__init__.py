@@ -1,0 +1,22 @@
+"""Mixture of experts with expert parallelism (the single-device router and layer are in models/moe.py).
+
+``apply_expert_parallel(model, ep)`` shards every MoE layer's experts over the ``ep`` group (tokens
+travel by all-to-all); ``ExpertDataParallel(model, dp, edp)`` reduces dense gradients over ``dp`` and
+expert gradients over ``edp``; ``moe_metrics(model, dp)`` gives the per-step routing metrics.
+"""
+
+from tessera.moe.all_to_all import all_to_all, exchange_counts
+from tessera.moe.data_parallel import ExpertDataParallel, expert_parallelize
+from tessera.moe.expert_parallel import (
+    ExpertParallelMoE,
+    apply_expert_parallel,
+    expert_parameters,
+    global_expert_state,
+)
+from tessera.moe.grad_norm import clip_grad_norm_moe
+from tessera.moe.metrics import moe_metrics
+
+__all__ = [
+    "ExpertDataParallel", "ExpertParallelMoE", "all_to_all", "apply_expert_parallel", "clip_grad_norm_moe",
+    "exchange_counts", "expert_parallelize", "expert_parameters", "global_expert_state", "moe_metrics",
+]

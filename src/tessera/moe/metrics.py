@@ -1,0 +1,27 @@
+"""Routing metrics of a step, summed over micro-batches and data-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.models.moe import collect_local_stats, format_stats, moe_layers
+
+
+def moe_metrics(model: nn.Module, dp: CommGroup) -> dict:
+    """Call once per optimizer step on every dp rank (it all-reduces): the routing counters since the
+    last call, summed over micro-batches and ranks, as metrics.jsonl fields; {} for a dense model.
+
+    Keys: ``moe_tokens_per_expert`` (kept assignments per expert, summed over MoE layers),
+    ``moe_load_per_layer`` (per layer, expert load / uniform share: 1.0 is perfectly balanced),
+    ``moe_dropped_frac`` (dropped / routed assignments), ``moe_aux_loss`` and ``moe_z_loss`` (token-weighted
+    means over routing groups, averaged over layers; unweighted by the coefficients).
+    """
+    layers = moe_layers(model)
+    values = collect_local_stats(model)
+    if values is None:
+        return {}
+    comm.all_reduce(values, dp)  # float64 counters: exact sums
+    return format_stats(values, layers[0].num_experts)
