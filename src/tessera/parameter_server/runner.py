@@ -1,0 +1,48 @@
+"""What ``tessera train --model.preset=ctr --ps.*`` runs: a parameter-server job in a fresh run folder.
+
+The job starts its own server and worker processes (it is not a set of collective ranks), so it is
+refused under torchrun. The run folder gets ``config.toml``, ``metrics.jsonl`` (worker 0's loss per
+step), ``summary.json`` (AUC, its ceiling, staleness histograms, bytes, examples/s) and ``tables/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tessera.errors import ConfigError
+from tessera.parameter_server.job import run_ps_job
+
+
+def _first_free(base: Path) -> Path:
+    candidate, n = base, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def train_ctr(cfg) -> dict:
+    """``cfg`` is the job config (tessera.train.config.JobConfig): uses ``ps``, ``train.steps`` and ``run``."""
+    from tessera.train.config import save_config
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        raise ConfigError("the parameter-server mode (model.preset=ctr) starts its own processes: "
+                          "run it without torchrun")
+    ps = cfg.ps.validate()
+    name = cfg.run.name or f"ctr-ps{ps.servers}-w{ps.workers}-{ps.mode}"
+    run_dir = _first_free(Path(cfg.run.out_dir) / name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.toml")
+    last = [-1]
+
+    def progress(step: int) -> None:
+        if cfg.run.progress and (step + 1) % max(cfg.train.log_every, 1) == 0 and step > last[0]:
+            last[0] = step
+            print(f"step {step + 1}/{cfg.train.steps}", flush=True)
+
+    summary = run_ps_job(ps, cfg.train.steps, seed=cfg.run.seed, out_dir=str(run_dir), progress=progress)
+    return {"run_dir": str(run_dir), "mode": ps.mode, "servers": ps.servers, "workers": ps.workers,
+            "steps": cfg.train.steps, "auc": round(summary["auc"], 4),
+            "ceiling_auc": round(summary["ceiling_auc"], 4), "max_gap": summary["max_gap"],
+            "examples_per_s": round(summary["examples_per_s"], 1), "seconds": round(summary["seconds"], 2)}

@@ -1,0 +1,89 @@
+"""Parameter-server jobs over torch.distributed.rpc: 2 servers + 2 workers on the CTR model.
+
+Few, shared jobs (each costs process start-up): one BSP run is the reference for parity, the AUC margin,
+the bytes comparison and the resume test.
+"""
+
+import pytest
+import torch
+
+from tessera.models.ctr import SPARSE_TABLES
+from tessera.parameter_server import PSConfig, PSError, run_ps_job
+from tessera.parameter_server.reference import train_single_process
+from tessera.parameter_server.worker import build_model, click_log
+
+STEPS = 30
+BASE = dict(servers=2, workers=2, batch_size=64, fields=4, buckets=100, embed_dim=8, hidden=16,
+            eval_size=2048, timeout=20.0)
+AUC_MARGIN = 0.02  # ASP / SSP must reach the BSP run's AUC within this
+pytestmark = pytest.mark.slow  # every test here starts server and worker processes
+
+
+@pytest.fixture(scope="module")
+def bsp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ps_bsp")
+    return run_ps_job(PSConfig(mode="bsp", **BASE), STEPS, seed=0, out_dir=str(out), want_params=True)
+
+
+def test_bsp_equals_single_process_training(bsp_run):
+    ref = train_single_process(PSConfig(mode="bsp", **BASE), STEPS, seed=0)
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(bsp_run["params"][name], want, atol=2e-6, rtol=1e-5, msg=name)
+    for step, loss in bsp_run["losses"].items():  # worker 0's half-batch loss is close to the global mean
+        assert abs(loss - ref["losses"][step]) < 0.1
+    assert bsp_run["auc"] == pytest.approx(ref["auc"], abs=1e-4)
+    assert all(set(h) == {0} for h in bsp_run["staleness"])  # synchronous: every update fresh
+    assert bsp_run["versions"] == [STEPS, STEPS]  # one averaged update per step on each server
+
+
+@pytest.mark.parametrize("mode, slow", [("asp", 0.0), ("ssp", 0.05)])
+def test_async_and_bounded_staleness_reach_the_synchronous_auc(bsp_run, mode, slow):
+    """SSP with a deliberately slow last worker: the gap reaches the bound s and never exceeds it."""
+    run = run_ps_job(PSConfig(mode=mode, staleness=2, **BASE), STEPS, seed=0, slow_last_worker=slow)
+    assert run["auc"] > 0.6 and run["auc"] < run["ceiling_auc"]
+    assert abs(run["auc"] - bsp_run["auc"]) < AUC_MARGIN
+    assert run["versions"] == [STEPS * 2, STEPS * 2]  # every push applied on its own
+    total = [sum(h.values()) for h in run["staleness"]]
+    assert total == [STEPS * 2, STEPS * 2]
+    if mode == "ssp":
+        assert run["max_gap"] == 2  # the slow worker made the fast one hit the bound ...
+    assert mode == "asp" or run["max_gap"] <= 2  # ... which it never exceeded
+
+
+def test_sparse_push_pull_moves_only_touched_rows(bsp_run):
+    """Measured bytes = exactly the touched rows (+ their ids) and the dense tensors, pulled and pushed."""
+    cfg = PSConfig(**BASE)
+    model, data = build_model(cfg, 0), click_log(cfg, 0)
+    dense = [p for n, p in model.named_parameters() if n not in SPARSE_TABLES]
+    dense_bytes = sum(p.numel() * 4 for p in dense)
+    width = cfg.embed_dim + 1  # embed row + wide row
+    expected = 0
+    for step in range(STEPS):
+        for w in range(cfg.workers):
+            u = len(torch.unique(model.rows(data.batch(step, w, cfg.batch_size)[0])))
+            # pull: ids (int64, per table) out, rows in; push: ids and gradient rows out; same for dense
+            expected += 2 * (2 * 8 * u + 4 * width * u + 8 * len(dense) + dense_bytes)
+    measured = sum(sum(b) for b in bsp_run["bytes_per_worker"].values())
+    assert measured == expected
+    # Per step through the busiest server vs a ring all-reduce of the same tables over the W workers.
+    busiest = max(sum(b[s] for b in bsp_run["bytes_per_worker"].values()) for s in range(cfg.servers)) / STEPS
+    def ring(buckets):
+        return 2 * (cfg.workers - 1) / cfg.workers * (cfg.fields * buckets * width * 4 + dense_bytes)
+    # the tables here are tiny (4 x 100 rows, nearly all touched): the PS moves more than a ring would ...
+    assert busiest > ring(cfg.buckets) / 2
+    # ... but its bytes are bounded by the B·F rows a batch can touch, whatever the table size
+    bound = cfg.workers * 2 * (cfg.batch_size * cfg.fields * (16 + 4 * width) + 8 * len(dense) + dense_bytes)
+    assert busiest <= bound < ring(10_000) / 10  # 4 x 10k-row tables: the sparse path moves >10x less
+
+
+def test_killed_server_stops_workers_with_its_name_then_resume_matches(bsp_run, tmp_path):
+    cfg = PSConfig(mode="bsp", save_every=4, **{**BASE, "timeout": 5.0})
+    with pytest.raises(PSError, match="ps1") as err:
+        # the slow worker (50 ms a step) keeps the job from finishing before the kill lands
+        run_ps_job(cfg, STEPS, seed=0, out_dir=str(tmp_path), kill_server_at=(1, 10), slow_last_worker=0.05)
+    assert "\n" not in str(err.value)
+    resumed = run_ps_job(PSConfig(mode="bsp", resume=str(tmp_path / "tables"), **BASE), STEPS, seed=0,
+                         want_params=True)
+    assert 8 <= resumed["start_step"] < STEPS
+    for name, want in bsp_run["params"].items():
+        torch.testing.assert_close(resumed["params"][name], want, atol=1e-6, rtol=1e-6, msg=name)
