@@ -1,0 +1,286 @@
+"""The planner's predictions against measurements on this machine (DDP, ZeRO-1/2/3, TP, TP+SP).
+
+Every configuration trains tessera's reference model (fp32, AdamW) for a few steps on local gloo ranks,
+through the strategy modules directly, and records per rank: model-state and activation bytes counted
+from live tensors (tessera.train.memory), the comm ledger's payload bytes per axis, and the fastest step
+time. The planner predicts the same quantities from the shapes alone, with this machine's calibrated
+matmul rate and all-reduce α, β (tessera.planner.calibrate). Writes the table into docs/PLANNER.md.
+
+    python benchmarks/planner_validation.py                 # calibrate, measure, write the doc table
+    python benchmarks/planner_validation.py --no-write --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DOCS, replace_section  # noqa: E402
+
+from tessera.models import Transformer, cross_entropy_sum, model_config  # noqa: E402
+from tessera.models.layers import TransformerBlock  # noqa: E402
+from tessera.planner import Layout, estimate, from_model_config  # noqa: E402
+from tessera.planner.calibrate import calibrate  # noqa: E402
+from tessera.planner.estimate import comm_bytes  # noqa: E402
+from tessera.planner.local import local_gpu  # noqa: E402
+from tessera.testing import RankPool  # noqa: E402
+from tessera.topology import ParallelConfig, Topology  # noqa: E402
+from tessera.train.memory import MemoryLedger, storage_bytes  # noqa: E402
+
+DOC = DOCS / "PLANNER.md"
+
+# (label, model, gpu, gpus, global batch, published layout, published TFLOP/s per GPU, its FLOP convention,
+#  source). Narayanan et al. 2021 count hardware FLOPs with full recomputation (eq. 3, 96·…); the Llama 3
+#  paper reports BF16 MFU (model FLOPs).
+PUBLISHED = [
+    ("GPT-3 175B on 1,024 A100 80GB", "gpt3-175b", "a100-80gb", 1024, 1536,
+     Layout(dp=8, tp=8, pp=16, micro_batch=1, recompute="full", schedule="interleaved", virtual_stages=2),
+     140e12, "hardware", "Narayanan et al. 2021, Table 1 (t=8, p=16, batch 1536, 140 TFLOP/s per GPU)"),
+    ("Llama 3 70B on 512 H100", "llama3-70b", "h100", 512, 512, None, None, None,
+     "no published run of this size; see the 405B row"),
+    ("Llama 3 405B on 8,192 H100 (published layout)", "llama3-405b", "h100", 8192, 2048,
+     Layout(dp=64, zero_stage=2, tp=8, sp=True, pp=16, micro_batch=1, schedule="interleaved", virtual_stages=2),
+     430e12, "model", "Dubey et al. 2024 (Llama 3), Table 4: TP 8, PP 16, DP 64, 430 TFLOP/s, 43% BF16 MFU"),
+]
+CPU = torch.device("cpu")
+
+# name → (ranks, planner layout given the ranks and micro-batch)
+CONFIGS = {
+    "single": (1, lambda n, mb: Layout(dp=1, micro_batch=mb)),
+    "ddp": (2, lambda n, mb: Layout(dp=n, micro_batch=mb)),
+    "zero1": (2, lambda n, mb: Layout(dp=n, zero_stage=1, micro_batch=mb)),
+    "zero2": (2, lambda n, mb: Layout(dp=n, zero_stage=2, micro_batch=mb)),
+    "zero3": (2, lambda n, mb: Layout(dp=n, zero_stage=3, micro_batch=mb)),
+    "tp": (2, lambda n, mb: Layout(tp=n, micro_batch=mb)),
+    "tp_sp": (2, lambda n, mb: Layout(tp=n, sp=True, micro_batch=mb)),
+    "ddp4": (4, lambda n, mb: Layout(dp=n, micro_batch=mb)),
+}
+
+
+def _batch(step: int, rows: int, seq: int, vocab: int, rank: int, dp: int):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, vocab, (rows * dp, seq + 1), generator=g)[rank * rows:(rank + 1) * rows]
+    return x[:, :-1], x[:, 1:]
+
+
+def _engine(kind: str, model, topo):
+    """(callable model, optimizer-like with step/zero_grad, memory tensors fn, loss fn, dp group)."""
+    opt_factory = lambda groups: torch.optim.AdamW(groups, lr=1e-3)  # noqa: E731
+    if kind in ("single", "ddp", "ddp4"):
+        from tessera.data_parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, topo.group("dp")) if kind != "single" else model
+        opt = opt_factory(model.parameters())
+        ledger = MemoryLedger(model, opt, grad_buffers=getattr(wrapped, "grad_buffers", ()))
+        return wrapped, opt, lambda: ledger.snapshot().as_dict(), cross_entropy_sum, topo.group("dp")
+    if kind.startswith("zero"):
+        from tessera.precision.config import PrecisionConfig
+        from tessera.zero import ZeroConfig
+        from tessera.zero.build import shard_model
+
+        engine = shard_model(model, [{"params": list(model.parameters())}], opt_factory, topo, int(kind[-1]),
+                             ZeroConfig(), PrecisionConfig(), CPU, block_class=TransformerBlock)
+
+        def memory():
+            return {k: storage_bytes(v) for k, v in engine.memory_tensors().items()}
+
+        class Update:  # the engine moves gradients to its fp32 masters in clip_grad_norm (0 = no clipping)
+            @staticmethod
+            def step():
+                engine.clip_grad_norm(0.0, 1.0)
+                engine.step()
+
+            zero_grad = staticmethod(engine.zero_grad)
+        return engine, Update, memory, cross_entropy_sum, topo.group("dp")
+    from tessera.tensor_parallel import TensorParallelConfig, TensorParallelLoss, apply_tensor_parallel
+
+    tp = topo.group("tp")
+    wrapped = apply_tensor_parallel(model, tp, TensorParallelConfig(sequence_parallel=kind == "tp_sp"))
+    opt = opt_factory(wrapped.parameters())
+    ledger = MemoryLedger(wrapped, opt)
+    return wrapped, opt, lambda: ledger.snapshot().as_dict(), TensorParallelLoss(tp), None
+
+
+def measure(rank: int, world_size: int, kind: str, preset: str, rows: int, seq: int, steps: int) -> dict:
+    """Train ``steps`` steps of ``kind`` on this rank; memory after the last update, comm per step, times."""
+    torch.set_num_threads(1)
+    degrees = {"tp": world_size, "dp_replicate": 1} if kind.startswith("tp") else (
+        {"dp_shard": world_size, "dp_replicate": 1} if kind.startswith("zero") else {"dp_replicate": world_size})
+    topo = Topology.build(ParallelConfig(**degrees))
+    try:
+        torch.manual_seed(0)
+        cfg = model_config(preset)
+        model = Transformer(cfg)
+        run, opt, memory, loss_fn, dp = _engine(kind, model, topo)
+        dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
+        tracker = MemoryLedger(model)
+        times, mem, comm_start = [], None, None
+        for step in range(steps + 2):
+            if step == 2:
+                comm_start = {k: (v.bytes, v.wire_bytes) for k, v in topo.ledger.stats().items()}
+            x, y = _batch(step, rows, seq, cfg.vocab_size, dp_rank, dp_size)
+            t0 = time.perf_counter()
+            ctx = tracker.track_activations() if step == 0 else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t)
+            with ctx:
+                s, _ = loss_fn(run(x), y)
+            (s / (rows * dp_size * seq)).backward()
+            opt.step()
+            if step == steps + 1:  # after an update, while gradients are still held (as the trainer does)
+                mem = memory()
+            opt.zero_grad()
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+        comm = {}
+        for (axis, op), v in topo.ledger.stats().items():
+            if kind.startswith("zero") and op == "all_reduce":
+                continue  # the engine's 4-byte finite-flag and norm all-reduces, not gradient traffic
+            b0, w0 = comm_start.get((axis, op), (0, 0.0))
+            axis = "dp" if axis == "dp_shard" else axis
+            a = comm.setdefault(axis, {"bytes": 0.0, "wire_bytes": 0.0})
+            a["bytes"] += (v.bytes - b0) / steps
+            a["wire_bytes"] += (v.wire_bytes - w0) / steps
+        return {"memory": mem, "activations": tracker.activation_bytes, "comm": comm,
+                "step_s": min(times)}  # the least disturbed step: the machine is shared
+    finally:
+        topo.destroy()
+
+
+def predict(kind: str, preset: str, rows: int, seq: int, calibration: dict) -> dict:
+    ranks, make = CONFIGS[kind]
+    cfg = model_config(preset)
+    spec = from_model_config(preset, cfg)
+    dp = 1 if kind.startswith("tp") else ranks
+    layout = make(ranks, rows)
+    gpu = local_gpu(ranks, calibration)
+    est = estimate(spec, layout, gpu, rows * dp, seq, precision="fp32", optimizer="adam")
+    return {"memory": est.memory_bytes, "step_s": est.step_time_s,
+            "comm": comm_bytes(spec, layout, rows * dp, seq, precision="fp32")}
+
+
+def _states(mem: dict) -> float:
+    return sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
+
+
+def run_all(kinds, preset, rows, seq, steps, calibration) -> list[dict]:
+    rows_out, pools = [], {}
+    try:
+        for kind in kinds:
+            ranks = CONFIGS[kind][0]
+            if ranks == 1:
+                got = [measure(0, 1, kind, preset, rows, seq, steps)]
+            else:
+                pools.setdefault(ranks, RankPool(ranks))
+                got = pools[ranks].run(measure, kind=kind, preset=preset, rows=rows, seq=seq, steps=steps,
+                                       timeout=600)
+            pred = predict(kind, preset, rows, seq, calibration)
+            m = got[0]
+            axis = "tp" if kind.startswith("tp") else "dp"
+            rows_out.append({
+                "config": kind, "ranks": ranks,
+                "states_pred": _states(pred["memory"]), "states_meas": _states(m["memory"]),
+                "acts_pred": pred["memory"]["activations"], "acts_meas": m["activations"],
+                "comm_pred": pred["comm"][axis], "comm_meas": m["comm"].get(axis, {}).get("bytes", 0.0),
+                "comm_axis": axis, "step_pred": pred["step_s"], "step_meas": max(r["step_s"] for r in got),
+                "memory_meas": m["memory"], "comm_meas_all": m["comm"],
+            })
+            print(json.dumps(rows_out[-1]), flush=True)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return rows_out
+
+
+def table(rows, preset, rows_per_rank, seq, calibration) -> str:
+    head = ("| config | ranks | model states pred / meas (MB) | err | activations pred / meas (MB) | err "
+            "| comm bytes/step pred / meas (axis) | step s pred / meas | err |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        def err(p, m):
+            return f"{(p - m) / m:+.1%}" if m else "n/a"
+        lines.append(
+            f"| {r['config']} | {r['ranks']} | {r['states_pred'] / 1e6:.3f} / {r['states_meas'] / 1e6:.3f} | "
+            f"{err(r['states_pred'], r['states_meas'])} | {r['acts_pred'] / 1e6:.3f} / {r['acts_meas'] / 1e6:.3f} | "
+            f"{err(r['acts_pred'], r['acts_meas'])} | {r['comm_pred']:,.0f} / {r['comm_meas']:,.0f} ({r['comm_axis']}) | "
+            f"{r['step_pred']:.4f} / {r['step_meas']:.4f} | {err(r['step_pred'], r['step_meas'])} |")
+    cal = (f"calibration: matmul {calibration['peak_flops'] / 1e9:.1f} GFLOP/s per rank, all-reduce "
+           f"α = {calibration['alpha_s'] * 1e6:.0f} µs, β = {calibration['bytes_per_s'] / 1e9:.2f} GB/s")
+    load = os.getloadavg()[0]
+    ctx = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
+           f"{load:.1f} when the table was written, "
+           f"torch {torch.__version__}, gloo; model preset `{preset}` (fp32, AdamW), {rows_per_rank} sequences "
+           f"of {seq} tokens per data-parallel rank; {cal}. Measured while other engineers shared the machine.")
+    return ctx + "\n\n" + "\n".join(lines)
+
+
+def at_scale() -> str:
+    """The planner's choice, and its prediction for the published layout, beside the published figure."""
+    from tessera.planner import flops_per_iteration, get_gpu, get_model, search
+
+    lines = ["| cluster | planner's choice | mem GB/GPU | predicted MFU | published layout: predicted MFU "
+             "| published MFU | source |", "|---|---|---|---|---|---|---|"]
+    for label, name, gpu_name, gpus, batch, layout, tflops, kind, source in PUBLISHED:
+        spec, gpu = get_model(name), get_gpu(gpu_name)
+        best = search(spec, gpu, gpus, batch).ranked[0]
+        pub_pred = pub = "—"
+        if layout is not None:
+            est = estimate(spec, layout, gpu, batch)
+            pub_pred = f"{est.mfu:.1%} ({layout.describe()}, {est.memory_bytes['total'] / 1e9:.0f} GB)"
+            if kind == "hardware":  # convert hardware FLOPs (with recomputation) to model FLOPs
+                args = (batch, spec.seq, spec.layers, spec.hidden, spec.vocab)
+                ratio = flops_per_iteration(*args, recompute=False) / flops_per_iteration(*args, recompute=True)
+                pub = f"{tflops * ratio / gpu.peak_flops:.1%} ({tflops / gpu.peak_flops:.0%} hardware)"
+            else:
+                pub = f"{tflops / gpu.peak_flops:.1%}"
+        lines.append(f"| {label}, batch {batch} × {spec.seq} | {best.layout.describe()} | "
+                     f"{best.memory_bytes['total'] / 1e9:.1f} | {best.mfu:.1%} | {pub_pred} | {pub} | {source} |")
+    return "\n".join(lines)
+
+
+def write_doc(text: str) -> None:
+    replace_section(DOC, "validation", "Predicted against measured on this machine", [text])
+
+
+def write_scale(text: str) -> None:
+    replace_section(DOC, "at-scale", "At scale", [text])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--rows", type=int, default=4, help="sequences per data-parallel rank")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--calibration", help="a JSON file from `tessera plan --calibrate --save-calibration`")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--at-scale-only", action="store_true", help="only the at-scale table (no measurement)")
+    args = ap.parse_args()
+    scale = at_scale()
+    print(scale)
+    if not args.no_write:
+        write_scale(scale)
+    if args.at_scale_only:
+        return
+    if args.calibration:
+        calibration = json.loads(Path(args.calibration).read_text())
+    else:
+        calibration = calibrate(world=2)
+    print("calibration", json.dumps({k: v for k, v in calibration.items() if k != "allreduce_samples"}))
+    rows = run_all(args.configs.split(","), args.preset, args.rows, args.seq, args.steps, calibration)
+    text = table(rows, args.preset, args.rows, args.seq, calibration)
+    print(text)
+    if not args.no_write:
+        write_doc(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Catalogues of accelerators and model shapes the planner can size, overridable by name=value or a file.
+
+Numbers are public data-sheet figures (dense bf16 tensor-core peak, no sparsity; memory as sold; NVLink
+bandwidth per GPU in one direction; network bandwidth per GPU as the NICs of the reference DGX/HGX node
+give it). Model shapes are the published ones: GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron
+et al. 2023) and Llama 3 (Dubey et al. 2024), plus tessera's own reference presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from tessera.errors import ConfigError
+from tessera.models.config import PRESETS, ModelConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator and the links around it."""
+
+    name: str
+    peak_flops: float  # dense bf16 (or the calibrated dtype) FLOP/s
+    memory_bytes: float  # device memory
+    hbm_bytes_per_s: float  # memory bandwidth (the optimizer step is bound by it)
+    intra_bytes_per_s: float  # NVLink bandwidth per GPU, one direction
+    inter_bytes_per_s: float  # network bandwidth per GPU, one direction
+    gpus_per_node: int = 8  # GPUs that share the intra-node link
+    intra_alpha_s: float = 5e-6  # latency per ring step inside a node
+    inter_alpha_s: float = 15e-6  # latency per ring step across nodes
+    compute_efficiency: float = 0.75  # fraction of peak a large matmul reaches
+    host_bytes_per_s: float = 25e9  # host<->device (PCIe) bandwidth, for offload
+    host_adam_params_per_s: float = 2e9  # CPU Adam rate when the optimizer is offloaded
+    usable_fraction: float = 0.92  # of memory_bytes, the rest is context, allocator slack, fragmentation
+    overlap: float = 1.0  # share of compute that data-parallel collectives can hide behind (0 on shared CPU cores)
+
+
+GPUS: dict[str, GpuSpec] = {
+    # A100 SXM: 312 TFLOP/s bf16; NVLink3 600 GB/s bidirectional; DGX A100 has 8x HDR 200 Gb/s NICs.
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9),
+    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
+    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink4 900 GB/s bidirectional; DGX H100 has 8x NDR 400 Gb/s.
+    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": GpuSpec("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+}
+GPU_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-80gb": "h100"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder's shapes. ``arch`` 'gpt' (LayerNorm, GeLU MLP of 4h, learned positions, biases, tied
+    head) or 'llama' (RMSNorm, SwiGLU, GQA, RoPE, no biases)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int  # the training sequence length it was published with
+    arch: str = "llama"
+    tied: bool = False
+    experts: int = 1  # MoE: copies of the FFN per layer (1 = dense)
+    top_k: int = 1  # MoE: experts each token visits
+    moe_every: int = 1  # MoE: every moe_every-th layer has experts
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def attention_params(self) -> int:
+        h, e = self.hidden, self.head_dim
+        weights = 2 * h * self.heads * e + 2 * h * self.kv_heads * e
+        return weights + (4 * h if self.arch == "gpt" else 0)  # GPT's q, k, v, o biases
+
+    def ffn_params(self) -> int:
+        """One expert's FFN (GeLU MLP with biases for gpt, SwiGLU for llama)."""
+        h, f = self.hidden, self.ffn
+        return 2 * h * f + f + h if self.arch == "gpt" else 3 * h * f
+
+    def norm_params(self) -> int:
+        return (4 if self.arch == "gpt" else 2) * self.hidden
+
+    @property
+    def moe_fraction(self) -> float:
+        """Share of layers whose FFN is a mixture of experts (every ``moe_every``-th layer)."""
+        return 1.0 / self.moe_every if self.experts > 1 else 0.0
+
+    def dense_layer_params(self) -> float:
+        """Parameters of an average layer that every data-parallel rank holds (all but the experts)."""
+        frac = self.moe_fraction
+        return (self.attention_params() + self.norm_params() + frac * self.hidden * self.experts
+                + (1.0 - frac) * self.ffn_params())
+
+    def expert_layer_params(self) -> float:
+        """Expert parameters of an average layer (sharded over ep)."""
+        return self.moe_fraction * self.ffn_params() * self.experts
+
+    def embedding_params(self) -> int:
+        pos = self.seq * self.hidden if self.arch == "gpt" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Output projection plus final norm (the head weight counts 0 when tied to the embedding)."""
+        norm = (2 if self.arch == "gpt" else 1) * self.hidden
+        return norm + (0 if self.tied else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        per_layer = self.dense_layer_params() + self.expert_layer_params()
+        return round(self.layers * per_layer) + self.embedding_params() + self.head_params()
+
+    def matmul_params_per_token(self) -> float:
+        """Weights each token multiplies by (6 FLOPs each in training): active experts only, the output
+        projection always (tied or not), the embedding lookup never."""
+        frac = self.moe_fraction
+        ffn = self.ffn_params() * (frac * self.top_k + 1.0 - frac) + frac * self.hidden * self.experts
+        return self.layers * (self.attention_params() + ffn) + self.vocab * self.hidden
+
+
+def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    # Brown et al. 2020 Table 2.1; vocab 50257 padded to 51200 as Megatron does; ffn = 4h; seq 2048.
+    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 51200, 2048, arch="gpt", tied=True)
+
+
+def from_model_config(name: str, cfg: ModelConfig, top_k: int = 2) -> ModelSpec:
+    """The planner's view of a tessera reference-model config (Llama-style; MoE layers, when the config
+    has them, with ``top_k`` experts per token and no residual or shared experts)."""
+    experts = getattr(cfg, "num_experts", 0)
+    return ModelSpec(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden_dim,
+                     cfg.vocab_size, cfg.max_seq_len, arch="llama", tied=cfg.tie_embeddings,
+                     experts=max(1, experts), top_k=top_k if experts > 1 else 1,
+                     moe_every=getattr(cfg, "moe_every", 1) if experts > 1 else 1)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt3-125m": _gpt3("gpt3-125m", 12, 768, 12),
+    "gpt3-350m": _gpt3("gpt3-350m", 24, 1024, 16),
+    "gpt3-760m": _gpt3("gpt3-760m", 24, 1536, 16),
+    "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 16),
+    "gpt3-2.7b": _gpt3("gpt3-2.7b", 32, 2560, 32),
+    "gpt3-6.7b": _gpt3("gpt3-6.7b", 32, 4096, 32),
+    "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40),
+    "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96),
+    "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    **{f"tessera-{k}": from_model_config(f"tessera-{k}", cfg) for k, cfg in PRESETS.items()},
+}
+
+
+def _replace(spec, overrides: dict, what: str):
+    names = {f.name: f.type for f in dataclasses.fields(spec)}
+    clean = {}
+    for key, value in overrides.items():
+        if key not in names:
+            raise ConfigError(f"unknown {what} field '{key}'; valid fields are {', '.join(sorted(names))}")
+        kind = type(getattr(spec, key))
+        try:
+            clean[key] = (str(value).lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            raise ConfigError(f"{what} field '{key}' needs a {kind.__name__}, got {value!r}") from None
+    return dataclasses.replace(spec, **clean)
+
+
+def _lookup(table: dict, aliases: dict, name: str, what: str):
+    key = aliases.get(name.lower(), name.lower())
+    if key not in table:
+        raise ConfigError(f"unknown {what} '{name}'; choose one of {', '.join(sorted(table))}")
+    return table[key]
+
+
+def get_gpu(name: str, **overrides) -> GpuSpec:
+    """A catalogue GPU with fields replaced (``peak_flops=...``); ConfigError for unknown names."""
+    return _replace(_lookup(GPUS, GPU_ALIASES, name, "GPU"), overrides, "GPU")
+
+
+def get_model(name: str, **overrides) -> ModelSpec:
+    """A catalogue model with fields replaced (``seq=...``); ConfigError for unknown names."""
+    return _replace(_lookup(MODELS, {}, name, "model"), overrides, "model")
+
+
+def load_spec_file(path: str) -> tuple[dict, dict]:
+    """A JSON file ``{"gpu": {field: value}, "model": {field: value}}`` of overrides (or full new specs
+    when the GPU or model named is not in the catalogue: give every field then)."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read the planner spec file {path}: {err}") from None
+    return dict(data.get("gpu", {})), dict(data.get("model", {}))
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["peak_flops=3e14", ...]`` → dict; ConfigError for an item without '='."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' must look like field=value")
+        out[key.strip()] = value.strip()
+    return out

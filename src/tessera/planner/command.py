@@ -1,0 +1,103 @@
+"""``tessera plan``: its arguments and what it prints (the CLI glue; the planner itself is pure)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tessera.errors import ConfigError
+
+PLAN_EPILOG = """examples:
+  tessera plan --model llama3-70b --gpus 512 --gpu h100 --global-batch 512
+  tessera plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 --json
+  tessera plan --calibrate --model tessera-small --gpus 2 --global-batch 16 --seq 128 --precision fp32"""
+
+
+def add_plan_parser(sub) -> argparse.ArgumentParser:
+    """Register ``plan`` on the CLI's sub-parsers."""
+    p = sub.add_parser("plan", allow_abbrev=False, help="predict memory and step time, rank layouts",
+                       epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="catalogue model (gpt3-*, llama2-*, llama3-*, tessera-<preset>)")
+    p.add_argument("--gpus", type=int, help="GPUs (ranks) in the cluster; default 8, or 2 with --calibrate")
+    p.add_argument("--gpu", default="a100-80gb", help="catalogue GPU: a100-40gb, a100-80gb, h100, h200")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 512)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--precision", default="mixed", choices=("mixed", "fp32"))
+    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    p.add_argument("--set-gpu", action="append", metavar="FIELD=VALUE", help="override a GPU field")
+    p.add_argument("--set-model", action="append", metavar="FIELD=VALUE", help="override a model field")
+    p.add_argument("--spec-file", help='JSON {"gpu": {...}, "model": {...}} of field overrides')
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's matmul rate and all-reduce α, β on local ranks and plan with them")
+    p.add_argument("--calibration", help="a JSON file written by --save-calibration, used instead of measuring")
+    p.add_argument("--save-calibration", help="write the measured numbers to this JSON file")
+    return p
+
+
+def _gpu_and_model(args):
+    from tessera.planner.catalog import get_gpu, get_model, load_spec_file, parse_overrides
+    from tessera.planner.local import local_gpu
+
+    gpu_file, model_file = load_spec_file(args.spec_file) if args.spec_file else ({}, {})
+    model = get_model(args.model, **{**model_file, **parse_overrides(args.set_model)})
+    calibration = _calibration(args)
+    if calibration is not None:
+        gpu = local_gpu(args.gpus, calibration)
+    else:
+        gpu = get_gpu(args.gpu, **{**gpu_file, **parse_overrides(args.set_gpu)})
+    return gpu, model, calibration
+
+
+def _calibration(args) -> dict | None:
+    if args.calibration:
+        try:
+            with open(args.calibration) as fh:
+                return json.load(fh)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read the calibration file {args.calibration}: {err}") from None
+    if not args.calibrate:
+        return None
+    from tessera.planner.calibrate import calibrate
+
+    result = calibrate(world=2)
+    if args.save_calibration:
+        with open(args.save_calibration, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """Print the ranked layouts (or JSON); ConfigError/NoLayoutFits propagate to the CLI's one-sentence handler."""
+    from tessera.planner.explain import as_json, explain
+    from tessera.planner.search import search
+
+    if rest:
+        raise ConfigError(f"tessera plan does not take {' '.join(rest)}; see tessera plan --help")
+    if args.gpus is None:
+        args.gpus = 2 if (args.calibrate or args.calibration) else 8
+    if args.model is None:
+        if args.calibrate:
+            print(json.dumps(_calibration(args), indent=2))
+            return 0
+        raise ConfigError("tessera plan needs --model (for example --model llama3-8b)")
+    if args.top < 1:
+        raise ConfigError(f"--top must be a positive integer, got {args.top}")
+    gpu, model, calibration = _gpu_and_model(args)
+    batch = args.global_batch if args.global_batch is not None else 512
+    plan = search(model, gpu, args.gpus, batch, args.seq, precision=args.precision, optimizer=args.optimizer)
+    shown = plan.ranked[: args.top]
+    if args.json:
+        print(json.dumps({"model": model.name, "gpu": gpu.name, "gpus": args.gpus, "global_batch": batch,
+                          "seq": args.seq or model.seq, "calibration": calibration,
+                          "considered": plan.considered, "fitting": len(plan.ranked),
+                          "layouts": [as_json(e) for e in shown]}, indent=2))
+        return 0
+    plan.ranked = shown
+    n = model.num_params()
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    head = (f"{model.name} ({size} parameters) on {args.gpus} x {gpu.name}, "
+            f"global batch {batch} x {args.seq or model.seq} tokens, {args.precision} precision")
+    print(head + "\n" + explain(plan, args.gpus))
+    return 0

@@ -1,0 +1,47 @@
+"""Presenting a plan: a ranked table for people, JSON for programs, and breakdowns of the top choices."""
+
+from __future__ import annotations
+
+GB = 1e9
+
+
+def as_json(est) -> dict:
+    """The issue's per-layout record: layout, memory_bytes, step_time_s, tokens_per_s, mfu, bubble_fraction."""
+    return {
+        "layout": est.layout.as_dict(),
+        "memory_bytes": {k: int(round(v)) for k, v in est.memory_bytes.items()},
+        "host_bytes": int(round(est.host_bytes)),
+        "step_time_s": est.step_time_s,
+        "time_breakdown_s": dict(est.time_s),
+        "tokens_per_s": est.tokens_per_s,
+        "mfu": est.mfu,
+        "bubble_fraction": est.bubble_fraction,
+    }
+
+
+def table(estimates, gpus: int) -> str:
+    """One line per layout, fastest first."""
+    head = f"{'#':>3}  {'layout':<48}{'mem GB':>8}{'step s':>10}{'tok/s':>12}{'MFU':>7}{'bubble':>8}"
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(estimates, 1):
+        lines.append(f"{i:>3}  {e.layout.describe():<48}{e.memory_bytes['total'] / GB:>8.1f}"
+                     f"{e.step_time_s:>10.3f}{e.tokens_per_s:>12,.0f}{e.mfu:>7.1%}{e.bubble_fraction:>8.1%}")
+    return "\n".join(lines)
+
+
+def breakdown(est) -> str:
+    """Where the memory and the time of one layout go, largest first."""
+    mem = ", ".join(f"{k} {v / GB:.2f}" for k, v in est.memory_bytes.items() if k != "total" and v)
+    total = est.step_time_s
+    parts = sorted(((v, k) for k, v in est.time_s.items() if v > 0), reverse=True)
+    time = ", ".join(f"{k} {v:.3f}s ({v / total:.0%})" for v, k in parts)
+    host = f"; host {est.host_bytes / GB:.2f} GB (offloaded optimizer)" if est.host_bytes else ""
+    return (f"{est.layout.describe()}\n  memory GB/rank: {mem}; total {est.memory_bytes['total'] / GB:.2f}{host}\n"
+            f"  time/step: {time}; total {total:.3f}s")
+
+
+def explain(plan, gpus: int, top: int = 3) -> str:
+    """The ranked table and the breakdowns of the first ``top`` choices."""
+    out = [table(plan.ranked, gpus), "", f"{plan.considered} layouts considered, {len(plan.ranked)} shown."]
+    out += ["", "top choices:"] + [breakdown(e) for e in plan.ranked[:top]]
+    return "\n".join(out)

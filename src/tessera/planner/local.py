@@ -1,0 +1,67 @@
+"""The planner on this machine: a GpuSpec for local CPU ranks and the layout ``--parallel.auto`` picks."""
+
+from __future__ import annotations
+
+from tessera.errors import ConfigError
+from tessera.planner.catalog import GpuSpec, from_model_config
+from tessera.planner.search import SearchSpace, search
+
+# Orientation values for a small CPU box (DESIGN.md §9: a 100 MB gloo all-reduce on 2 ranks takes
+# 60–100 ms); `tessera plan --calibrate` measures the real ones.
+DEFAULT_LOCAL = {"peak_flops": 5e10, "alpha_s": 1e-4, "bytes_per_s": 1.5e9}
+
+
+def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: float = 8 * 2**30) -> GpuSpec:
+    """Local ranks as one 'node': measured (or default) matmul rate and gloo α, β; every rank a GPU."""
+    c = {**DEFAULT_LOCAL, **(calibration or {})}
+    # a training step's rate, not a big matmul's; measured with every rank busy, or alone for one rank
+    step = c.get("step_flops_alone" if world_size == 1 else "step_flops", c.get("step_flops"))
+    efficiency = min(1.0, step / c["peak_flops"]) if step else 1.0
+    hbm = c.get("hbm_bytes_per_s", 1e10)
+    # gloo's collectives run on the same cores as the compute, so nothing overlaps; "offloading" to host
+    # memory on a CPU is the same memory: an update as costly as on the device, plus two copies
+    return GpuSpec("local-cpu", peak_flops=c["peak_flops"], memory_bytes=memory_bytes,
+                   hbm_bytes_per_s=hbm, host_bytes_per_s=hbm, host_adam_params_per_s=hbm / 32, overlap=0.0,
+                   intra_bytes_per_s=c["bytes_per_s"],
+                   inter_bytes_per_s=c["bytes_per_s"], gpus_per_node=max(1, world_size),
+                   intra_alpha_s=c["alpha_s"], inter_alpha_s=c["alpha_s"], compute_efficiency=efficiency,
+                   usable_fraction=1.0)
+
+
+def choose_local_layout(model_cfg, world_size: int, global_batch: int, seq: int, *,
+                        micro_batch: int | None = None, calibration: dict | None = None,
+                        memory_bytes: float = 8 * 2**30, precision: str = "fp32",
+                        strategies: tuple = ("dp", "zero", "tp", "sp", "pp"), accept=None) -> dict:
+    """The fastest predicted layout of a tessera ``ModelConfig`` on ``world_size`` local ranks, as degrees.
+
+    ``strategies`` limits the search to what the trainer supports, and ``accept(degrees) -> bool`` (if
+    given) skips layouts the trainer cannot compose; the fastest accepted one is chosen. Returns a dict with the
+    ParallelConfig degrees (dp_replicate, dp_shard, pp, tp, cp, ep: ZeRO layouts put dp on dp_shard),
+    zero_stage, sequence_parallel, schedule, micro_batch_size, recompute and the predicted step_time_s.
+    Raises ConfigError when no layout divides the batch and NoLayoutFits when none fits.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world size must be at least 1, got {world_size}")
+    spec = from_model_config("local", model_cfg)
+    space = SearchSpace(tp="tp" in strategies, sp="sp" in strategies, pp="pp" in strategies,
+                        cp="cp" in strategies, zero_stages=(0, 1, 2, 3) if "zero" in strategies else (0,),
+                        recompute=("none",), offload=False,
+                        micro_batches=(micro_batch,) if micro_batch else (1, 2, 4, 8))
+    gpu = local_gpu(world_size, calibration, memory_bytes)
+    ranked = search(spec, gpu, world_size, global_batch, seq, precision=precision, optimizer="adam",
+                    space=space, top=None if accept else 1).ranked
+    for best in ranked:
+        degrees = _degrees(best)
+        if accept is None or accept(degrees):
+            return degrees
+    raise ConfigError(f"none of the {len(ranked)} layouts that fit {world_size} local ranks can be trained "
+                      f"by this version; set the parallel degrees by hand")
+
+
+def _degrees(best) -> dict:
+    lay = best.layout
+    sharded = lay.zero_stage > 0
+    return {"dp_replicate": 1 if sharded else lay.dp, "dp_shard": lay.dp if sharded else 1, "pp": lay.pp,
+            "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "zero_stage": lay.zero_stage,
+            "sequence_parallel": lay.sp, "schedule": lay.schedule, "micro_batch_size": lay.micro_batch,
+            "recompute": lay.recompute, "step_time_s": best.step_time_s}

@@ -1,0 +1,122 @@
+"""Memory per rank: model states (ZeRO accounting), activations (Korthikanti et al. 2022), buffers.
+
+Model states, after the ZeRO paper (Rajbhandari et al. 2019, §3.1 and Figure 1): with Ψ parameters,
+mixed-precision Adam holds 2Ψ of fp16/bf16 parameters, 2Ψ of gradients and KΨ of optimizer states with
+K = 12 (fp32 master weights, momentum, variance); plain fp32 training holds 4Ψ + 4Ψ + 8Ψ. ZeRO stage 1
+divides the optimizer states by the data-parallel degree N_d, stage 2 also the gradients, stage 3 also the
+parameters.
+
+Activations, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", Table 2): bytes saved for backward by one transformer layer with 2-byte activations, for sequence
+length s, micro-batch b, hidden h, heads a and tensor-parallel degree t.
+"""
+
+from __future__ import annotations
+
+# Optimizer-state bytes per parameter (beyond the parameters and gradients themselves).
+_OPTIMIZER_K = {
+    ("mixed", "adam"): 12,  # fp32 master copy + fp32 momentum + fp32 variance
+    ("mixed", "sgd"): 8,  # fp32 master copy + fp32 momentum
+    ("fp32", "adam"): 8,  # momentum + variance
+    ("fp32", "sgd"): 4,  # momentum
+}
+_PARAM_BYTES = {"mixed": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, precision: str = "mixed",
+                      optimizer: str = "adam") -> dict:
+    """Bytes per rank of parameters, gradients and optimizer states under ZeRO stage 0–3 over ``dp`` ranks.
+
+    ``optimizer`` 'adam' (also AdamW) or 'sgd' (with momentum). Returns {params, grads, optimizer, total}.
+    """
+    _check_choice("precision", precision, ("mixed", "fp32"))
+    _check_choice("optimizer", optimizer, ("adam", "adamw", "sgd"))
+    _check_choice("zero_stage", zero_stage, (0, 1, 2, 3))
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, got {dp}")
+    k = _OPTIMIZER_K[(precision, "adam" if optimizer == "adamw" else optimizer)]
+    per = _PARAM_BYTES[precision]
+    params = per * num_params / (dp if zero_stage >= 3 else 1)
+    grads = per * num_params / (dp if zero_stage >= 2 else 1)
+    opt = k * num_params / (dp if zero_stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes one GPT layer saves for backward.
+
+    none:       sbh(34 + 5as/h) without TP; sbh(10 + 24/t + 5as/(ht)) with TP; sbh/t·(34 + 5as/h) with TP+SP.
+    selective:  attention's softmax/dropout (the 5as/h term) is recomputed: sbh(10 + 24/t); sbh·34/t with SP.
+    full:       only the layer's input is kept: 2sbh.
+    """
+    _check_choice("recompute", recompute, RECOMPUTE)
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh
+    attn_scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34.0 + attn_scores)
+    return sbh * (10.0 + 24.0 / t + attn_scores / t)
+
+
+def llama_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, kv_heads: int,
+                                     ffn: int, *, tp: int = 1, sequence_parallel: bool = False,
+                                     recompute: str = "none", elem_bytes: int = 2) -> float:
+    """Bytes one Llama-style layer (tessera's reference block) saves for backward, with a fused attention
+    kernel (no s×s scores kept), counted tensor by tensor per token (e bytes per element):
+
+    - residual stream, replicated across TP unless SP: each RMSNorm keeps its input and normalised value,
+      the projections after it keep the norm's output: 2 norms × 3h;
+    - attention, split by TP: rotated q, k and v as the kernel saw them (after repeating kv heads when
+      kv < heads, since the repeat copies), the kernel's output: 2h + 2·kv_width;
+    - SwiGLU, split by TP: w1 out, silu out, w3 out and their product: 4f;
+    - fp32 extras: two reciprocal-rms values and a log-sum-exp per head.
+    RoPE's multiplies keep only the constant tables (a bias-free product saves the other operand).
+    selective recompute re-runs the attention kernel, which saves nothing more here; full keeps e·h.
+    """
+    _check_choice("recompute", recompute, RECOMPUTE)
+    e, t = elem_bytes, tp
+    tokens = seq * micro_batch
+    if recompute == "full":
+        return float(e * tokens * hidden)
+    kv_width = hidden if kv_heads < heads else hidden // heads * kv_heads
+    split = e * (2 * hidden + 2 * kv_width + 4 * ffn) + 4 * heads
+    replicated = e * 6 * hidden + 2 * 4
+    return float(tokens * (replicated / (t if sequence_parallel else 1) + split / t))
+
+
+def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak, in units of one
+    micro-batch through that stage's layers: GPipe all m; 1F1B and ZB-H1 min(p, m); interleaved 1F1B
+    p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3)."""
+    if pp == 1 or schedule == "none":
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule in ("1f1b", "zb-h1"):
+        return float(min(pp, microbatches))
+    if schedule == "interleaved":
+        return min(pp, microbatches) * (1.0 + (pp - 1) / (pp * virtual_stages))
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def logits_bytes(seq: int, micro_batch: int, hidden: int, vocab: int, *, tp: int = 1, elem_bytes: int = 2) -> float:
+    """The output layer (cf. Korthikanti §4.3): the final norm's input, normalised value and output (3·e·sbh,
+    /t with TP as Megatron shards them with SP) and the fp32 log-softmax the cross-entropy keeps (4·sbV/t)."""
+    return seq * micro_batch * (3 * elem_bytes * hidden + 4 * vocab) / tp
+
+
+def embedding_bytes(seq: int, micro_batch: int, hidden: int, *, tp: int = 1, sequence_parallel: bool = False,
+                    dropout: bool = True) -> float:
+    """The input embedding's dropout mask (sbh bytes per micro-batch, /t with SP); 0 without dropout."""
+    if not dropout:
+        return 0.0
+    return seq * micro_batch * hidden / (tp if sequence_parallel else 1)

@@ -1,0 +1,46 @@
+"""``--parallel.auto=true``: the planner picks the local layout before any rank starts.
+
+The planner ranks every layout of the world size by predicted step time (with this machine's
+orientation values; `tessera plan --calibrate` measures real ones); the fastest one the trainer can
+compose is written into the config, which is then validated as if the user had typed it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from tessera.errors import ConfigError
+from tessera.planner import choose_local_layout
+
+
+def apply_auto_layout(cfg, world_size: int) -> dict:
+    """Fill ``cfg.parallel`` (and sequence parallelism, schedule, micro-batch) from the planner; returns
+    the chosen degrees with the predicted step time. ``cfg`` is a JobConfig, changed in place."""
+    from tessera.parallelize import validate_composition
+
+    def composable(degrees: dict) -> bool:
+        trial = copy.deepcopy(cfg)
+        _write(trial, degrees)
+        try:
+            validate_composition(trial)
+        except ConfigError:
+            return False
+        return True
+
+    precision = "fp32" if cfg.precision.dtype == "fp32" else "mixed"
+    degrees = choose_local_layout(cfg.model, world_size, cfg.data.global_batch_size, cfg.data.seq_len,
+                                  precision=precision, strategies=("dp", "zero", "tp", "sp", "pp", "cp"),
+                                  accept=composable)
+    _write(cfg, degrees)
+    return degrees
+
+
+def _write(cfg, degrees: dict) -> None:
+    par = cfg.parallel
+    for key in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "zero_stage"):
+        setattr(par, key, int(degrees[key]))
+    cfg.tensor_parallel.sequence_parallel = bool(degrees["sequence_parallel"]) and par.tp > 1
+    if par.pp > 1 and degrees.get("schedule"):
+        cfg.pipeline.schedule = degrees["schedule"]
+    if degrees.get("micro_batch_size"):
+        cfg.data.micro_batch_size = int(degrees["micro_batch_size"])
