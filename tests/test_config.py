@@ -78,7 +78,13 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     (["train", "--model.nlayers=2"], "unknown config key 'model.nlayers'"),
     (["train", "--nproc", "2", "--parallel.dp_replicate=4"], "not the world size 2"),
     (["train", "--data.corpus=/no/such/dir"], "corpus path '/no/such/dir' does not exist"),
-    (["train", "--parallel.tp=2"], "tensor parallelism, which this version"),
+    (["train", "--nproc", "3", "--parallel.tp=3"], "parallel.tp=3 must divide the model's n_heads (8)"),
+    (["train", "--nproc", "8", "--parallel.pp=8"], "exceeds the model's 4 layers"),
+    (["train", "--nproc", "2", "--parallel.pp=2", "--pipeline.microbatches=3"], "does not divide the batch size 16"),
+    (["train", "--nproc", "2", "--model.preset=moe-small", "--model.num_experts=3", "--parallel.ep=2"],
+     "parallel.ep=2 must divide the number of experts 3"),
+    (["train", "--nproc", "4", "--parallel.tp=2", "--parallel.zero_stage=3"], "is not supported in this version"),
+    (["train", "--nproc", "8", "--parallel.cp=4", "--data.seq_len=100"], "must be divisible by 2·cp = 8"),
     (["train", "--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
 ])
 def test_cli_bad_input_is_one_sentence_and_exit_2(args, message, capsys):
@@ -115,3 +121,15 @@ def test_shipped_configs_load(name):
 
 def test_default_toml_says_what_no_arguments_do():
     assert config_dict(load_config(str(ROOT / "configs" / "default.toml"))) == config_dict(load_config())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_parallel_auto_picks_a_layout_that_validates(world):
+    from tessera.train.auto_layout import apply_auto_layout
+
+    cfg = load_config(None, ["--parallel.auto=true", "--model.preset=tiny", "--data.seq_len=32"])
+    chosen = apply_auto_layout(cfg, world)
+    par = cfg.parallel
+    assert par.dp_replicate * par.dp_shard * par.pp * par.tp * par.cp == world
+    assert chosen["step_time_s"] > 0 and par.zero_stage == chosen["zero_stage"]
+    validate_config(cfg, world)  # the planner's choice is one the trainer can run

@@ -112,3 +112,55 @@ def test_failed_ranks_become_one_sentence_with_the_right_exit_code():
     crash = SimpleNamespace(failures={0: SimpleNamespace(exitcode=-9)})
     assert str(_failure(user)) == "rank 0 exited with code 2, rank 1 exited with code 2 (its error is printed above)"
     assert _failure(user).exit_code == 2 and _failure(crash).exit_code == 1
+
+
+@pytest.mark.multirank
+def test_trainer_zero3_matches_single_process_and_bf16_tracks_it(rank_pool, tmp_path, corpus_cache):
+    """ZeRO-3 with hybrid-free sharding over 2 ranks and selective recompute trains like one process in
+    fp32; in bf16 (fp32 master weights) the loss curve stays close to the fp32 one."""
+    single = run_rank(load_config(None, tiny_args(tmp_path, corpus_cache, extra=["--run.name=ref"])))
+    zero = ["--parallel.zero_stage=3", "--checkpointing.mode=selective"]
+    fp32 = rank_pool.run(trainer_worker, 2, args=tiny_args(tmp_path, corpus_cache, extra=["--run.name=z3", *zero]))
+    for key in ("val_loss_start", "val_loss_end", "train_loss_end"):
+        assert fp32[0][key] == pytest.approx(single[key], rel=1e-5), key
+    assert fp32[0]["parameters"] == single["parameters"]
+    # every rank holds half of the fp32 parameters, gradients and optimizer state of the single process
+    ref_mem, mem = single["memory_per_rank"][0], fp32[0]["memory_per_rank"]
+    for r in mem:
+        assert r["params"] == pytest.approx(ref_mem["params"] / 2, rel=0.01)
+        assert r["grads"] == pytest.approx(ref_mem["grads"] / 2, rel=0.01)
+    bf16 = rank_pool.run(trainer_worker, 2, args=tiny_args(
+        tmp_path, corpus_cache, extra=["--run.name=z3bf16", *zero, "--precision.dtype=bf16"]))
+    ref = [json.loads(x) for x in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (tmp_path / "z3bf16" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got) if a["kind"] == "train"]
+    assert diffs and max(diffs) < 0.02, diffs
+    assert bf16[0]["skipped_steps"] == 0
+    # bf16 parameters: 2 bytes per element on each rank's half
+    assert bf16[0]["memory_per_rank"][0]["params"] == pytest.approx(ref_mem["params"] / 4, rel=0.01)
+
+
+def test_cli_rejects_an_impossible_memory_saver_combination_before_any_rank_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", "--nproc", "2", "--zero.offload=true",
+         f"--run.out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "tessera: error: zero.offload moves the sharded optimizer to the host, so it needs "
+        "parallel.zero_stage of 1, 2 or 3"]
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+@pytest.mark.slow
+def test_cli_trains_with_zero3_bf16_and_selective_recompute(tmp_path, corpus_cache):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", "--nproc", "2", "--parallel.zero_stage=3",
+         "--precision.dtype=bf16", "--checkpointing.mode=selective", *tiny_args(tmp_path, corpus_cache, steps=4)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+    assert (Path(summary["run_dir"]) / "checkpoint" / "optim" / "rank1.pt").exists()

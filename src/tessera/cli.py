@@ -18,7 +18,9 @@ from tessera.errors import UserError
 
 EPILOG = """overrides: any config key as --section.key=value, for example
   --model.preset=tiny --train.steps=50 --parallel.dp_replicate=2 --data.corpus=path/to/texts
-sections: run, model, parallel, ddp, optim, data, train, checkpoint (see docs/CONFIG.md)"""
+sections: run, model, parallel, ddp, optim, data, train, checkpoint, zero, precision, checkpointing,
+  tensor_parallel, context_parallel, pipeline, moe, ps (see docs/CONFIG.md)
+parameter-server mode: --model.preset=ctr --ps.servers=2 --ps.workers=2 --ps.mode=ssp --ps.staleness=2"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,23 +33,35 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a TOML file (see configs/); defaults apply where it is silent")
     train.add_argument("--nproc", type=int, help="local ranks to spawn (default run.nproc); ignored "
                        "under torchrun, which decides the world size")
+    from tessera.planner.command import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.device import resolve_device
     from tessera.launch import env_world_size, launch_local, rank_entry, run_rank, under_torchrun
-    from tessera.parallelize import validate_composition
     from tessera.train.config import load_config, validate_config
     from tessera.train.data import load_corpus
 
     cfg = load_config(args.config, overrides)
+    if cfg.model_preset == "ctr":  # parameter-server mode: its own server and worker processes (see [ps])
+        from tessera.parameter_server.runner import train_ctr
+
+        print(json.dumps(train_ctr(cfg), indent=2))
+        return 0
     if args.nproc is not None:
         cfg.run.nproc = args.nproc
     ranked = under_torchrun()  # torchrun made this process one rank and decided the world size
     world = env_world_size() if ranked else cfg.run.nproc
+    if cfg.parallel.auto:
+        from tessera.train.auto_layout import apply_auto_layout
+
+        chosen = apply_auto_layout(cfg, world)
+        if not ranked or os.environ.get("RANK", "0") == "0":
+            print(f"parallel.auto chose {chosen}", file=sys.stderr)
     validate_config(cfg, world)
-    validate_composition(cfg.parallel.resolved(world))
     if ranked:
         summary = rank_entry(cfg)
         if os.environ.get("RANK", "0") == "0":
@@ -71,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, rest)
+        if args.command == "plan":
+            from tessera.planner.command import cmd_plan
+
+            return cmd_plan(args, rest)
     except UserError as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return err.exit_code

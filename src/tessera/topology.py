@@ -47,10 +47,14 @@ class ParallelConfig:
     ep: int = 1
     order: str = DEFAULT_ORDER
     timeout_s: float = 300.0  # how long a collective may wait for its peers before it raises
+    zero_stage: int = 0  # 0: DDP; 1/2/3: ZeRO sharding of optimizer state / +gradients / +parameters
+    auto: bool = False  # let the planner choose the degrees, zero_stage and micro-batch before ranks start
 
     def validate(self) -> ParallelConfig:
         """Checks that need no world size (the rest happens in :func:`validate_degrees`)."""
         parse_order(self.order)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         return self
 
     def degrees(self) -> dict[str, int]:

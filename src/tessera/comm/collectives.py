@@ -52,6 +52,10 @@ def comm_failure(group: CommGroup, op: str, seq: int, err: BaseException) -> Com
     )
 
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older torch lacks the new name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Handle:
     """An in-flight call. ``wait()`` blocks until it is done, records the blocked time, and runs any
     finishing step (e.g. copying a gathered result into place)."""
@@ -60,6 +64,10 @@ class Handle:
                  then: Callable[[], None] | None = None):
         self._work, self._group, self._op, self._seq, self._then = work, group, op, seq, then
         self.done = work is None and then is None
+
+    def is_completed(self) -> bool:
+        """Whether the transfer has finished (without blocking); ``wait()`` is still needed to finish it."""
+        return self.done or (self._work is not None and self._work.is_completed())
 
     def wait(self) -> None:
         if self.done:
@@ -133,7 +141,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, asyn
         return DONE
     size = nbytes(output)
     return _issue(group, "all_gather", size, wire_bytes("all_gather", size, group.size),
-                  lambda a: dist.all_gather_into_tensor(output, input, group=group.pg, async_op=a), async_op)
+                  lambda a: _all_gather_flat(output, input, group=group.pg, async_op=a), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, op: str = "sum",

@@ -8,6 +8,10 @@
     [data]       corpus, sequence length, global and micro batch sizes
     [train]      steps, logging and validation cadence
     [checkpoint] final checkpoint
+    [zero]       ZeRO buckets, CPU offload, ZeRO-3 units (the stage is parallel.zero_stage)
+    [precision]  parameter/compute dtype, gradient-reduction dtype, loss scaling
+    [checkpointing] activation checkpointing: none, full or selective, every k-th block
+    [ps]         parameter-server mode (model.preset = "ctr"): roles, BSP/ASP/SSP, row-wise optimizer
 
 Defaults: ``tessera train`` with no arguments trains the ``small`` preset on the standard-library
 corpus with data parallelism over the local ranks.
@@ -21,13 +25,22 @@ from pathlib import Path
 
 import tomli_w
 
+from tessera.context_parallel.config import ContextParallelConfig
 from tessera.data_parallel.config import DDPConfig
 from tessera.errors import ConfigError
 from tessera.models import ModelConfig, model_config
+from tessera.models.moe import MoEConfig, validate_moe
+from tessera.parameter_server.config import PSConfig
+from tessera.pipeline.config import PipelineConfig
+from tessera.precision.config import PrecisionConfig
+from tessera.recompute.config import RecomputeConfig
+from tessera.tensor_parallel.config import TensorParallelConfig
 from tessera.topology import ParallelConfig, validate_degrees
 from tessera.train import config_io
 from tessera.train.data import DataConfig
 from tessera.train.optim import OptimConfig
+from tessera.zero.config import ZeroConfig
+from tessera.zero.validate import validate_memory_savers
 
 
 @dataclass
@@ -82,12 +95,25 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpointing: RecomputeConfig = field(default_factory=RecomputeConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 SECTIONS = {
     "run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "ddp": DDPConfig,
     "optim": OptimConfig, "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+    "zero": ZeroConfig, "precision": PrecisionConfig, "checkpointing": RecomputeConfig,
+    "ps": PSConfig, "moe": MoEConfig, "tensor_parallel": TensorParallelConfig,
+    "context_parallel": ContextParallelConfig, "pipeline": PipelineConfig,
 }
+# presets that are not a Transformer: their [model] keys are ignored and their own section configures them
+NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the parameter-server mode, see [ps]
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -99,7 +125,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     preset = str(model_raw.pop("preset", "small"))
     sections = {name: cls(**config_io.check_keys(name, raw.get(name, {}), cls))
                 for name, cls in SECTIONS.items() if name != "model"}
-    model = model_config(preset, **config_io.check_keys("model", model_raw, ModelConfig))
+    model = model_config("small" if preset in NON_TRANSFORMER_PRESETS else preset,
+                         **config_io.check_keys("model", model_raw, ModelConfig))
     return JobConfig(model=model, model_preset=preset, **sections)
 
 
@@ -119,7 +146,23 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
             f"data.micro_batch_size={cfg.data.micro_batch_size} × data-parallel degree {dp_size}"
         )
+    validate_memory_savers(cfg)
+    validate_strategies(cfg, dp)
     return cfg
+
+
+def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
+    """Shape checks of tensor, context, pipeline and expert parallelism (``parallel`` is resolved)."""
+    from tessera.parallelize import validate_composition
+
+    validate_composition(cfg)
+    m, tp = cfg.model, parallel.tp
+    cfg.tensor_parallel.validate(tp, m, cfg.data.seq_len)
+    cfg.context_parallel.check_shapes(parallel.cp, cfg.data.seq_len, m.n_heads // tp, m.n_kv_heads // tp,
+                                      m.dropout)
+    validate_moe(cfg.moe, m.num_experts, parallel.ep)
+    per_rank_batch = cfg.data.global_batch_size // (parallel.dp_replicate * parallel.dp_shard)
+    cfg.pipeline.validate(parallel.pp, m.n_layers, per_rank_batch)
 
 
 def config_dict(cfg: JobConfig) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import sys
 import typing
 from pathlib import Path
@@ -34,8 +35,23 @@ def field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _coerce_list(value, typ, key: str) -> list:
+    """A TOML array, or a command-line string in TOML/JSON array syntax (``[[0, 1], [2, 3]]``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f"config key '{key}' expects a list such as [1, 2], got '{value}'") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+    (item,) = typing.get_args(typ) or (str,)
+    return [coerce(v, item, key) for v in value]
+
+
 def coerce(value, typ: type, key: str):
-    """Convert a TOML value or a command-line string to ``typ`` (bool, int, float or str)."""
+    """Convert a TOML value or a command-line string to ``typ`` (bool, int, float, str or list of them)."""
+    if typing.get_origin(typ) is list:
+        return _coerce_list(value, typ, key)
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         if typ is bool:

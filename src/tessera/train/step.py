@@ -18,7 +18,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
-from tessera.models import cross_entropy_sum
+from tessera.models import cross_entropy_sum, moe_loss_sum
 
 IGNORE_INDEX = -100
 
@@ -39,8 +39,15 @@ def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], dp: Com
 
 
 def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dp: CommGroup,
-                     device: torch.device, activation_tracker=None) -> StepResult:
-    """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only."""
+                     device: torch.device, activation_tracker=None, loss_scale: float = 1.0,
+                     loss_fn=cross_entropy_sum) -> StepResult:
+    """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only.
+
+    ``dp`` is every group of ranks that see different tokens of the step (dp × cp). ``loss_scale``
+    multiplies the loss before backward (fp16 loss scaling); the reported loss is unscaled.
+    ``loss_fn(logits, targets, ignore_index) -> (sum, count)``, e.g. the vocabulary-parallel loss under tp.
+    A mixture-of-experts model's routing losses are added as sums (see ``models/moe.py``) but not reported.
+    """
     total_tokens = global_token_count(batches, dp, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last = len(batches) - 1
@@ -50,8 +57,9 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
         with contextlib.nullcontext() if sync else model.no_sync():
             tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
             with tracking:  # the loss's saved logits count as activations too
-                s, _ = cross_entropy_sum(model(x), y, ignore_index=IGNORE_INDEX)
-            (s / total_tokens.to(s.dtype)).backward()
+                s, _ = loss_fn(model(x), y, ignore_index=IGNORE_INDEX)
+            scaled = (s + moe_loss_sum(model)) / total_tokens.to(s.dtype)
+            (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
         loss_sum += s.detach().double()
     comm.all_reduce(loss_sum, dp)
     return StepResult(loss=float(loss_sum / total_tokens), tokens=int(total_tokens))
@@ -59,14 +67,14 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], dp: CommGroup,
-             device: torch.device) -> float:
+             device: torch.device, loss_fn=cross_entropy_sum) -> float:
     """Mean token loss over this rank's share of the fixed validation batches, averaged over ranks."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
     for micro_batches in batches:
         for x, y in micro_batches:
-            s, n = cross_entropy_sum(model(x.to(device)), y.to(device), ignore_index=IGNORE_INDEX)
+            s, n = loss_fn(model(x.to(device)), y.to(device), ignore_index=IGNORE_INDEX)
             totals[0] += s.double()
             totals[1] += n
     comm.all_reduce(totals, dp)

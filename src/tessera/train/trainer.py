@@ -6,8 +6,9 @@ files (metrics, summary, plot), except the checkpoint, which every rank writes i
 
 from __future__ import annotations
 
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,16 +18,18 @@ from tessera import comm
 from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
 from tessera.models import Transformer
-from tessera.parallelize import parallelize
+from tessera.parallelize import data_parallel_group, is_sharded, parallelize
+from tessera.precision import LossScaler
 from tessera.topology import Topology
-from tessera.train.checkpoint import save_checkpoint
+from tessera.train.checkpoint import save_checkpoint, save_sharded_checkpoint
 from tessera.train.config import JobConfig, save_config
 from tessera.train.data import WindowSampler, eval_windows, load_corpus, make_batch
 from tessera.train.memory import MemoryLedger
 from tessera.train.metrics import MetricsWriter, finite
-from tessera.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
 from tessera.train.rundir import resolve_run_dir
 from tessera.train.step import evaluate, forward_backward
+from tessera.train.strategies import checkpoint_unsupported, clip_gradients, loss_function, shard_batch
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Interval:
     tokens: int = 0
     seconds: float = 0.0
     grad_norm: float = 0.0
+    skipped_at: list = field(default_factory=list)  # steps skipped on inf/nan gradients (loss scaling)
 
 
 class Trainer:
@@ -47,22 +51,41 @@ class Trainer:
         self.ledger = CommLedger()
         self.topology = Topology.build(cfg.parallel, self.ledger)
         self.world = self.topology.group("world")
-        self.dp = self.topology.group("dp")
+        self.dp = self.topology.group("dp")  # data-parallel coordinate: which slice of the batch
+        self.tokens_group = data_parallel_group(self.topology)  # ranks holding different tokens: dp × cp
+        self.loss_fn = loss_function(self.topology)
         self.is_main = self.topology.rank == 0
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank (DDP also broadcasts)
-        self.core = Transformer(cfg.model).to(device)
-        self.model = parallelize(self.core, self.topology, cfg.ddp)
-        self.optimizer = build_optimizer(self.core, cfg.optim)
+        self.core = Transformer(cfg.model, cfg.moe).to(device)
+        self.n_params = sum(p.numel() for p in self.core.parameters())  # before ZeRO-3 / tp / ep shard them
+        self.engine = self.pipe = None
+        if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
+            from tessera.train.pipeline_step import PipelineStep
+
+            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim)
+            self.core = self.model = self.pipe.module
+            self.optimizer = self.pipe.optimizer
+        else:
+            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=cfg.zero, precision=cfg.precision,
+                                     recompute=cfg.checkpointing, param_groups=param_groups(self.core, cfg.optim),
+                                     make_optimizer=optimizer_factory(cfg.optim),
+                                     tensor_parallel=cfg.tensor_parallel, context_parallel=cfg.context_parallel,
+                                     device=device)
+            # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
+            self.engine = self.model if is_sharded(self.model) else None
+            self.optimizer = self.engine.optimizer if self.engine else build_optimizer(self.core, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.scaler = LossScaler.from_config(cfg.precision)
         self.memory = MemoryLedger(self.core, self.optimizer,
-                                   grad_buffers=getattr(self.model, "grad_buffers", ()))
+                                   grad_buffers=getattr(self.model, "grad_buffers", ()),
+                                   state_fn=self.engine.memory_tensors if self.engine else None)
         self.last_memory = None
         self.corpus = load_corpus(cfg.data, progress=self.is_main and cfg.run.progress)
         d = cfg.data
         self.sampler = WindowSampler(len(self.corpus.train), d.seq_len, d.global_batch_size, d.micro_batch_size,
                                      self.dp.rank, self.dp.size, d.seed)
         self.eval_batches = [
-            [make_batch(self.corpus.val, ids, d.seq_len) for ids in micro]
+            [shard_batch(make_batch(self.corpus.val, ids, d.seq_len), self.topology) for ids in micro]
             for micro in eval_windows(len(self.corpus.val), d.seq_len, d.global_batch_size, d.eval_batches,
                                       d.micro_batch_size, self.dp.rank, self.dp.size)
         ]
@@ -83,11 +106,14 @@ class Trainer:
         for step in range(1, cfg.steps + 1):
             log_now = step % cfg.log_every == 0 or step == cfg.steps
             result, grad_norm, seconds = self._train_step(track=log_now)
+            if grad_norm is None:
+                interval.skipped_at.append(step)
+                self._log_skip(step)
             interval.steps += 1
             interval.loss += result.loss
             interval.tokens += result.tokens
             interval.seconds += seconds
-            interval.grad_norm = grad_norm
+            interval.grad_norm = grad_norm if grad_norm is not None else interval.grad_norm
             last_loss = result.loss
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / seconds:,.0f}")
@@ -98,6 +124,7 @@ class Trainer:
                 val_end = self._validate(step)
         bar.close()
         checkpoint = self._save_checkpoint(cfg.steps)
+        self.timeline = self.pipe.write_timeline(self.run_dir) if self.pipe and self.cfg.pipeline.timeline else {}
         return self._finish(val_start, val_end, last_loss, time.perf_counter() - start, checkpoint)
 
     def _train_step(self, track: bool):
@@ -105,21 +132,56 @@ class Trainer:
         after the update, while gradients (and communication buckets) are still held."""
         synchronize(self.device)
         t0 = time.perf_counter()
-        batches = [make_batch(self.corpus.train, ids, self.cfg.data.seq_len) for ids in self.sampler.next_step()]
-        result = forward_backward(self.model, batches, self.dp, self.device,
-                                  activation_tracker=self.memory.track_activations if track else None)
-        grad_norm = clip_grad_norm(self.core.parameters(), self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        batches = [shard_batch(make_batch(self.corpus.train, ids, self.cfg.data.seq_len), self.topology)
+                   for ids in self.sampler.next_step()]
+        tracker = self.memory.track_activations if track else None
+        if self.pipe is not None:
+            result = self.pipe.forward_backward(batches, activation_tracker=tracker)
+        else:
+            result = forward_backward(self.model, batches, self.tokens_group, self.device, activation_tracker=tracker,
+                                      loss_scale=self.scaler.scale, loss_fn=self.loss_fn)
+        if self.engine is not None:
+            grad_norm = self._engine_update()
+        elif self.pipe is not None:
+            grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
+            if not self.pipe.steps_inside:  # PipeDream updates inside the pipeline, after each backward
+                self.optimizer.step()
+        else:
+            grad_norm = clip_gradients(self.core, self.cfg.optim.grad_clip, self.topology)
+            self.optimizer.step()
         self.scheduler.step()
         if track:
             self.last_memory = self.memory.snapshot(peak_memory_bytes(self.device))
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
         return result, grad_norm, time.perf_counter() - t0
 
+    def _engine_update(self) -> float | None:
+        """Unscale, check for inf/nan on every rank, clip by the global norm over all shards, step.
+        Returns the norm, or None when the step was skipped (the loss scale is then halved)."""
+        scale = self.scaler.scale
+        norm, finite = self.engine.clip_grad_norm(self.cfg.optim.grad_clip, inv_scale=1.0 / scale)
+        if not self.scaler.update(finite):
+            return None
+        self.engine.step()
+        return norm
+
+    def _log_skip(self, step: int) -> None:
+        """A skipped step is never silent: a line on rank 0 now, and ``skipped_at`` / ``skipped_steps``
+        in the next metrics.jsonl train record."""
+        if self.is_main:
+            tqdm.write(f"step {step}: inf/nan gradients, optimizer step skipped; "
+                       f"loss scale now {self.scaler.scale:g}", file=sys.stderr)
+
     # ---- reporting -----------------------------------------------------------------------------
     def _validate(self, step: int) -> float:
-        loss = evaluate(self.model, self.eval_batches, self.dp, self.device)
+        if self.pipe is not None:
+            loss = self.pipe.evaluate(self.eval_batches)
+        else:
+            loss = evaluate(self.model, self.eval_batches, self.tokens_group, self.device, loss_fn=self.loss_fn)
         if self.metrics:
             self.metrics.log({"kind": "eval", "step": step, "val_loss": finite(loss)})
         return loss
@@ -136,6 +198,11 @@ class Trainer:
 
     def _log_train(self, step: int, interval: Interval, comm_stats) -> None:
         memory = self._memory_per_rank()
+        moe = {}
+        if self.cfg.model.num_experts:
+            from tessera.moe import moe_metrics
+
+            moe = moe_metrics(self.model, self.dp)  # collective over dp: routing counters since the last log
         if not self.metrics:
             return
         per_step = {key: {field: value / interval.steps for field, value in stat.items()}
@@ -144,12 +211,23 @@ class Trainer:
             "kind": "train", "step": step, "loss": finite(interval.loss / interval.steps),
             "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": interval.tokens / interval.seconds,
             "grad_norm": finite(interval.grad_norm), "comm_per_step": per_step, "memory": memory,
+            "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
+            "skipped_at": interval.skipped_at, **moe,
         })
 
     def _save_checkpoint(self, step: int) -> str | None:
         if not self.cfg.checkpoint.save_final:
             return None
-        meta = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topology.world_size}
+        reason = checkpoint_unsupported(self.topology)
+        if reason:
+            if self.is_main:
+                tqdm.write(reason, file=sys.stderr)
+            return None
+        meta = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topology.world_size,
+                "loss_scaler": self.scaler.state_dict()}
+        if self.engine is not None:
+            return str(save_sharded_checkpoint(self.run_dir / self.cfg.checkpoint.folder, self.engine, self.core,
+                                               meta, self.world))
         path = save_checkpoint(self.run_dir / self.cfg.checkpoint.folder, self.core, self.optimizer, meta,
                                self.world)
         return str(path)
@@ -160,13 +238,14 @@ class Trainer:
         summary = {
             "run_dir": str(self.run_dir), "layout": self.topology.describe(),
             "world_size": self.topology.world_size, "preset": self.cfg.model_preset,
-            "parameters": sum(p.numel() for p in self.core.parameters()),
+            "parameters": self.n_params,
             "steps": self.cfg.train.steps, "val_loss_start": finite(val_start), "val_loss_end": finite(val_end),
             "train_loss_end": finite(last_loss), "seconds": seconds,
             "tokens_per_s_mean": (sum(r["tokens_per_s"] for r in train_lines) / len(train_lines)
                                   if train_lines else None),
             "comm_total": CommLedger.as_dict(self.ledger.stats()), "checkpoint": checkpoint,
             "memory_per_rank": train_lines[-1]["memory"] if train_lines else None,
+            "skipped_steps": self.scaler.skipped, **self.timeline,
         }
         if self.metrics:
             self.metrics.write_summary(summary)

@@ -1,0 +1,123 @@
+"""Helpers shared by the benchmark scripts: the machine line, marked doc sections, common CLI and pools.
+
+The scripts run as ``python benchmarks/x.py`` (this folder is then on sys.path); each also puts this folder
+on sys.path itself before importing from here, so importing a script by another route works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def machine() -> str:
+    """CPU model, core count, torch version and backend, as every benchmark table states them."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
+
+
+def replace_section(path: Path, name: str, title: str, lines: list[str]) -> None:
+    """Rewrite only the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` of a shared file (the
+    rest stays as it is); a file without the markers gets the block appended under ``## title``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = "\n".join([begin, *lines, end])
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + f"\n\n## {title}\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def bench_parser(doc: str, *, ranks: list[int], preset: str, batch: int, seq: int, rounds: int, steps: int,
+                 warmup: int, no_write_help: str | None = "print only; leave docs/BENCHMARKS.md alone"
+                 ) -> argparse.ArgumentParser:
+    """The options every timed A/B benchmark takes; the caller adds its own before ``parse_args``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=ranks)
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--no-write", action="store_true", help=no_write_help)
+    return parser
+
+
+@contextmanager
+def pool_manager(pg_timeout_s: float = 600.0) -> Iterator:
+    """A tessera PoolManager whose pools are closed on the way out."""
+    from tessera.testing import PoolManager
+
+    pools = PoolManager(pg_timeout_s=pg_timeout_s)
+    try:
+        yield pools
+    finally:
+        pools.close_all()
+
+
+def token_batch(seed: int, batch: int, seq: int, vocab: int = 256):
+    """A fixed random batch of token ids: (inputs, next-token targets), each ``batch`` × ``seq``."""
+    data = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return data[:, :-1], data[:, 1:]
+
+
+def interleaved_times(steppers: dict, rounds: int, warmup: int, steps: int,
+                      around: Callable[[object], ContextManager] | None = None) -> dict:
+    """Time variants interleaved (A B … A B …) so that a shared machine's noise hits them alike: every round,
+    each variant in turn runs ``warmup`` untimed steps, a barrier over the default group, then ``steps``
+    timed ones. ``steppers[k]()`` runs one step and returns its seconds; ``around(k)``, if given, is entered
+    around each variant's timed steps. Returns ``{k: [[seconds of each timed step] per round]}``."""
+    import torch.distributed as dist
+
+    times = {k: [] for k in steppers}
+    for _ in range(rounds):
+        for k, step in steppers.items():  # every variant once per round, always in the same order
+            for _ in range(warmup):
+                step()
+            dist.barrier()
+            with around(k) if around is not None else nullcontext():
+                times[k].append([step() for _ in range(steps)])
+    return times
+
+
+def slowest_medians(per_rank: list[list[list[float]]]) -> list[float]:
+    """Per round, the slowest rank's median step (a job moves at the pace of its slowest rank).
+    ``per_rank[r][i]`` is rank r's list of step times in round i."""
+    return [max(statistics.median(rank[i]) for rank in per_rank) for i in range(len(per_rank[0]))]
+
+
+def ab_summary(per_rank: list[dict], a: str, b: str) -> dict:
+    """Two variants timed A B A B: per round, each one's slowest-rank median step and the ratio a / b.
+    ``per_rank[r][a][i]`` is rank r's list of step times of variant a in round i."""
+    med = {k: slowest_medians([t[k] for t in per_rank]) for k in (a, b)}
+    return {**med, "ratio": [x / y for x, y in zip(med[a], med[b])]}
+
+
+def no_forward_buffer_sync() -> dict:
+    """torch DDP's switch for not syncing buffers every forward; torch renamed it and warns on the old name."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    params = inspect.signature(TorchDDP.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
