@@ -32,6 +32,11 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
 
 
+def load_note() -> str:
+    """The machine's 1-minute load average now, for the doc line (CPU timings are only as quiet as this)."""
+    return f"1-minute load average {os.getloadavg()[0]:.1f} at the end of the run on {os.cpu_count()} cores"
+
+
 def replace_section(path: Path, name: str, title: str, lines: list[str]) -> None:
     """Rewrite only the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` of a shared file (the
     rest stays as it is); a file without the markers gets the block appended under ``## title``."""

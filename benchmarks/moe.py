@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DOCS, ab_summary, bench_parser, interleaved_times, machine,  # noqa: E402
+from _common import (DOCS, ab_summary, bench_parser, interleaved_times, load_note, machine,  # noqa: E402
                      no_forward_buffer_sync, pool_manager, replace_section, token_batch)
 
 from tessera.models import Transformer, cross_entropy_sum, model_config  # noqa: E402
@@ -86,8 +86,7 @@ def bench_worker(rank, world_size, preset, top_k, batch, seq, rounds, steps, war
 
 def write_doc(rows: list[str], args, params: int) -> None:
     replace_section(DOC, "moe", "Mixture of experts: expert parallelism vs replicated experts under DDP", [
-        f"Measured by `python benchmarks/moe.py` on {machine()}, shared with other jobs while measured (load "
-        f"average well above the 2 cores), so step times are noisy. Model: `{args.preset}` ({params / 1e6:.2f}M "
+        f"Measured by `python benchmarks/moe.py` on {machine()} ({load_note()}). Model: `{args.preset}` ({params / 1e6:.2f}M "
         f"parameters; 2 MoE layers of 8 experts), top-{args.top_k}, capacity factor 1.25; per rank a batch of "
         f"{args.batch}×{args.seq} tokens; AdamW; {args.rounds} interleaved rounds of {args.warmup} warm-up + "
         f"{args.steps} timed steps. A = tessera expert parallelism with ep = ranks; B = the same MoE replicated "

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, machine, pool_manager, replace_section  # noqa: E402
+from _common import DOCS, load_note, machine, pool_manager, replace_section  # noqa: E402
 
 from tessera.models.ctr import SPARSE_TABLES  # noqa: E402
 from tessera.parameter_server import PSConfig, run_ps_job  # noqa: E402
@@ -104,9 +104,8 @@ def dense_bytes(args) -> list[str]:
 
 def write_doc(args, tput, sparse, dense) -> None:
     replace_section(DOC, "parameter_server", "Parameter server (CPU, TensorPipe RPC and gloo)", [
-        f"Measured by `python benchmarks/parameter_server.py` on {machine()}, while other jobs shared the "
-        "machine (absolute rates are noisy; servers and workers share 2 cores, so more servers cannot help "
-        f"here). CTR wide & deep model, 8 fields, embedding width 8, hidden 32; {args.workers} workers × "
+        f"Measured by `python benchmarks/parameter_server.py` on {machine()} ({load_note()}; servers "
+        "and workers share the cores, so more servers cannot help here). CTR wide & deep model, 8 fields, embedding width 8, hidden 32; {args.workers} workers × "
         f"{args.batch} samples per step; BSP; Adagrad on the servers; RPC over TensorPipe on loopback.",
         "",
         f"Throughput, {args.buckets} buckets per field, {args.steps} steps, {args.rounds} interleaved rounds "

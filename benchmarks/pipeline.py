@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, bench_parser, machine, pool_manager, replace_section, token_batch  # noqa: E402
+from _common import DOCS, bench_parser, load_note, machine, pool_manager, replace_section, token_batch  # noqa: E402
 
 from tessera.models import Transformer, cross_entropy_sum, model_config  # noqa: E402
 from tessera.pipeline import PipelineConfig, build_pipeline  # noqa: E402
@@ -115,8 +115,8 @@ def run_torch_compare(args, pools) -> None:
             print(rows[-1], flush=True)
     params = model_config(args.preset, n_layers=args.layers).num_params()
     lines = [
-        f"Measured by `python benchmarks/pipeline.py torch` on {machine()} (a machine shared with other jobs "
-        f"while measured). Model: `{args.preset}` preset with {args.layers} layers ({params / 1e6:.2f}M "
+        f"Measured by `python benchmarks/pipeline.py torch` on {machine()} ({load_note()}). "
+        f"Model: `{args.preset}` preset with {args.layers} layers ({params / 1e6:.2f}M "
         f"parameters); batch {args.batch}×{args.seq} tokens in {args.microbatches} micro-batches; AdamW; "
         f"{args.rounds} interleaved rounds (tessera then torch, per schedule) of {args.warmup} warm-up + "
         f"{args.steps} timed steps. Step time = median over a round on the slowest rank; ratio = median over "

@@ -217,7 +217,7 @@ def table(rows, preset, rows_per_rank, seq, calibration) -> str:
     ctx = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
            f"{load:.1f} when the table was written, "
            f"torch {torch.__version__}, gloo; model preset `{preset}` (fp32, AdamW), {rows_per_rank} sequences "
-           f"of {seq} tokens per data-parallel rank; {cal}. Measured while other engineers shared the machine.")
+           f"of {seq} tokens per data-parallel rank; {cal}.")
     return ctx + "\n\n" + "\n".join(lines)
 
 

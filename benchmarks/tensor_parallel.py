@@ -12,7 +12,6 @@ materialised like in the paper's a·s² term. Speed: the same model and ranks, i
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DOCS, ab_summary, bench_parser, interleaved_times, machine, pool_manager,  # noqa: E402
+from _common import (DOCS, ab_summary, bench_parser, interleaved_times, load_note, machine, pool_manager,  # noqa: E402
                      replace_section, token_batch)
 
 from tessera.comm import CommLedger  # noqa: E402
@@ -313,9 +312,7 @@ def speed_section(pools, args) -> str:
                         f"{', '.join(f'{r:.3f}' for r in ratios)} |")
             print(rows[-1], flush=True)
     params = model_config(args.preset).num_params()
-    load = os.getloadavg()[0]
-    return (f"Measured by `python benchmarks/tensor_parallel.py` on {machine()}; load average {load:.1f} at the "
-            "end (the machine was shared with other jobs while this ran, so times are noisy). Model: "
+    return (f"Measured by `python benchmarks/tensor_parallel.py` on {machine()}; {load_note()}. Model: "
             f"`{args.preset}` preset ({params / 1e6:.2f}M parameters), batch {args.batch}×{args.seq} tokens "
             "(the same on every tp rank), AdamW; step = forward + vocab-parallel loss + backward + update. "
             "Baseline: DTensor `parallelize_module` with ColwiseParallel / RowwiseParallel (+ SequenceParallel "

@@ -232,7 +232,7 @@ def main() -> None:
             rows += rows_for(world, summarize(results), peak_growth(world, args))
             print("\n".join(rows[-len(VARIANTS):]), flush=True)
     load = (f"1-minute load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run on "
-            f"{os.cpu_count()} cores" + (" (shared machine, under contention)" if max(load_before, os.getloadavg()[0]) > 2 else ""))
+            f"{os.cpu_count()} cores")
     print(load)
     if not args.no_write:
         write_doc(rows, args, params, load)

@@ -52,8 +52,10 @@ def comm_failure(group: CommGroup, op: str, seq: int, err: BaseException) -> Com
     )
 
 
-# torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older torch lacks the new name
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names now warn on every
+# call); older torch lacks the new names
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle:
@@ -152,7 +154,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, 
         return DONE
     size = nbytes(input)
     return _issue(group, "reduce_scatter", size, wire_bytes("reduce_scatter", size, group.size),
-                  lambda a: dist.reduce_scatter_tensor(output, input, op=reduce_op(op), group=group.pg,
+                  lambda a: _reduce_scatter_flat(output, input, op=reduce_op(op), group=group.pg,
                                                        async_op=a), async_op)
 
 

@@ -45,24 +45,56 @@ def default_times(schedule: Schedule) -> Callable[[Action], float]:
 def check(schedule: Schedule, times: Callable[[Action], float] | None = None,
           comm_time: float = 0.0) -> CheckReport:
     """Simulate ``schedule``; raise ScheduleError naming the first problem, else return the report."""
-    times = times or default_times(schedule)
-    pp = schedule.pp
-    acts = schedule.actions
-    if len(acts) != pp:
-        raise ScheduleError(f"schedule has action lists for {len(acts)} ranks but pp={pp}")
-    pc = [0] * pp
-    clock = [0.0] * pp
-    channels: dict[tuple[int, int], deque] = {}
-    done: list[set] = [set() for _ in range(pp)]  # (kind, stage, mb) completed or received on this rank
-    busy = [0.0] * pp
-    live = [0] * pp
-    peak = [0] * pp
-    intervals: list[list] = [[] for _ in range(pp)]
+    if len(schedule.actions) != schedule.pp:
+        raise ScheduleError(f"schedule has action lists for {len(schedule.actions)} ranks but pp={schedule.pp}")
+    sim = _Simulation(schedule, times or default_times(schedule), comm_time)
+    sim.run_to_end()
+    for (src, dst), q in sim.channels.items():
+        if q:
+            raise ScheduleError(f"rank {src}'s {q[0][0]} has no matching receive on rank {dst}")
+    makespan = max(sim.clock) if sim.clock else 0.0
+    bubble = 1.0 - sum(sim.busy) / (schedule.pp * makespan) if makespan > 0 else 0.0
+    return CheckReport(makespan, sim.busy, bubble, sim.peak, sim.intervals)
 
-    def blocked_on(r: int, a: Action) -> str | None:
+
+class _Simulation:
+    """Every rank's program counter and clock; messages in flight per (sender, receiver) pair."""
+
+    def __init__(self, schedule: Schedule, times: Callable[[Action], float], comm_time: float):
+        pp = schedule.pp
+        self.schedule, self.times, self.comm_time = schedule, times, comm_time
+        self.acts = schedule.actions
+        self.pc, self.clock, self.busy = [0] * pp, [0.0] * pp, [0.0] * pp
+        self.live, self.peak = [0] * pp, [0] * pp
+        self.channels: dict[tuple[int, int], deque] = {}
+        self.done: list[set] = [set() for _ in range(pp)]  # (kind, stage, mb) completed or received here
+        self.intervals: list[list] = [[] for _ in range(pp)]
+
+    def run_to_end(self) -> None:
+        pp, acts, pc = self.schedule.pp, self.acts, self.pc
+        while any(pc[r] < len(acts[r]) for r in range(pp)):
+            progressed = False
+            for r in range(pp):
+                while pc[r] < len(acts[r]) and self.blocked_on(r, acts[r][pc[r]]) is None:
+                    self.run(r, acts[r][pc[r]])
+                    pc[r] += 1
+                    progressed = True
+            if not progressed:
+                self._deadlock()
+
+    def _deadlock(self) -> None:
+        stuck = [(r, self.acts[r][self.pc[r]]) for r in range(self.schedule.pp) if self.pc[r] < len(self.acts[r])]
+        r0, a0 = stuck[0]
+        others = "; ".join(f"rank {r} at {a}" for r, a in stuck[1:])
+        raise ScheduleError(
+            f"deadlock: the first stuck action is rank {r0}'s {a0} (action #{self.pc[r0]}), which "
+            f"{self.blocked_on(r0, a0)} that is never sent" + (f"; also stuck: {others}" if others else "")
+        )
+
+    def blocked_on(self, r: int, a: Action) -> str | None:
         """None if action ``a`` of rank ``r`` can run now; else why not (a receive with nothing to read)."""
         if a.kind.startswith("RECV"):
-            q = channels.get((a.peer, r))
+            q = self.channels.get((a.peer, r))
             if not q:
                 return f"waits for a message from rank {a.peer}"
             sent, _ = q[0]
@@ -71,51 +103,32 @@ def check(schedule: Schedule, times: Callable[[Action], float] | None = None,
                 raise ScheduleError(f"rank {r}: {a} would receive {sent} from rank {a.peer}: messages out of order")
         return None
 
-    def run(r: int, a: Action) -> None:
-        start = clock[r]
+    def run(self, r: int, a: Action) -> None:
+        start, done = self.clock[r], self.done[r]
         if a.kind.startswith("SEND"):
-            if a.kind == "SEND_F" and ("F", a.stage, a.mb) not in done[r]:
+            if a.kind == "SEND_F" and ("F", a.stage, a.mb) not in done:
                 raise ScheduleError(f"rank {r}: {a} sends an activation its forward has not produced yet")
-            if a.kind == "SEND_B" and ("B", a.stage, a.mb) not in done[r]:
+            if a.kind == "SEND_B" and ("B", a.stage, a.mb) not in done:
                 raise ScheduleError(f"rank {r}: {a} sends a gradient its backward has not produced yet")
-            channels.setdefault((r, a.peer), deque()).append((a, start + comm_time))
+            self.channels.setdefault((r, a.peer), deque()).append((a, start + self.comm_time))
         elif a.kind.startswith("RECV"):
-            _, arrival = channels[(a.peer, r)].popleft()
-            clock[r] = max(clock[r], arrival)
-            done[r].add((a.kind, a.stage, a.mb))
+            _, arrival = self.channels[(a.peer, r)].popleft()
+            self.clock[r] = max(self.clock[r], arrival)
+            done.add((a.kind, a.stage, a.mb))
         elif a.kind in COMPUTE:
-            _check_dependencies(schedule, r, a, done[r])
-            clock[r] += times(a)
-            busy[r] += times(a)
-            intervals[r].append((a, start, clock[r]))
-            if a.kind == "F":
-                live[r] += 1
-                peak[r] = max(peak[r], live[r])
-            if a.kind == "B":
-                live[r] -= 1
-        done[r].add((a.kind, a.stage, a.mb))
+            self._compute(r, a, start)
+        done.add((a.kind, a.stage, a.mb))
 
-    while any(pc[r] < len(acts[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while pc[r] < len(acts[r]) and blocked_on(r, acts[r][pc[r]]) is None:
-                run(r, acts[r][pc[r]])
-                pc[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = [(r, acts[r][pc[r]]) for r in range(pp) if pc[r] < len(acts[r])]
-            r0, a0 = stuck[0]
-            others = "; ".join(f"rank {r} at {a}" for r, a in stuck[1:])
-            raise ScheduleError(
-                f"deadlock: the first stuck action is rank {r0}'s {a0} (action #{pc[r0]}), which "
-                f"{blocked_on(r0, a0)} that is never sent" + (f"; also stuck: {others}" if others else "")
-            )
-    for (src, dst), q in channels.items():
-        if q:
-            raise ScheduleError(f"rank {src}'s {q[0][0]} has no matching receive on rank {dst}")
-    makespan = max(clock) if clock else 0.0
-    bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
-    return CheckReport(makespan, busy, bubble, peak, intervals)
+    def _compute(self, r: int, a: Action, start: float) -> None:
+        _check_dependencies(self.schedule, r, a, self.done[r])
+        self.clock[r] += self.times(a)
+        self.busy[r] += self.times(a)
+        self.intervals[r].append((a, start, self.clock[r]))
+        if a.kind == "F":
+            self.live[r] += 1
+            self.peak[r] = max(self.peak[r], self.live[r])
+        if a.kind == "B":
+            self.live[r] -= 1
 
 
 def _check_dependencies(schedule: Schedule, r: int, a: Action, done: set) -> None:

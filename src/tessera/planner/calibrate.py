@@ -126,6 +126,7 @@ def calibrate(world: int = 2) -> dict:
     peak = matmul_flops()
     alone = training_step_flops()
     alpha, beta, rows, step = allreduce_alpha_beta(world)
-    return {"peak_flops": peak, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha, "bytes_per_s": beta, "ranks": world,
+    return {"peak_flops": peak, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
+            "bytes_per_s": beta, "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
             "seconds_taken": time.perf_counter() - start}

@@ -116,6 +116,10 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp_calls = 4 + (2 if layout.recompute == "full" else 0)
     tp = layers_here * m * tp_calls * cm.all_reduce_s(act_bytes, layout.tp, links["tp"])
+    if layout.sp:  # each all-reduce is an all-gather + a reduce-scatter (two latencies, same bytes), and the
+        # backward re-gathers the sequence-sharded inputs of the two column-parallel regions (Megatron-LM)
+        gather = cm.all_gather_s(act_bytes, layout.tp, links["tp"])
+        tp = layers_here * m * (tp_calls * 2 + 2) * gather
     # context parallel: keys and values gathered forward, gathered again and reduce-scattered backward
     kv_bytes = 2 * layout.micro_batch * seq * spec.head_dim * spec.kv_heads / layout.tp * elem
     cp = layers_here * m * 3 * cm.all_gather_s(kv_bytes, layout.cp, links["cp"])

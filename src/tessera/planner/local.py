@@ -17,6 +17,9 @@ def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: fl
     # a training step's rate, not a big matmul's; measured with every rank busy, or alone for one rank
     step = c.get("step_flops_alone" if world_size == 1 else "step_flops", c.get("step_flops"))
     efficiency = min(1.0, step / c["peak_flops"]) if step else 1.0
+    cores, measured = c.get("cores"), c.get("ranks")
+    if cores and measured and world_size > 1:  # ranks share the cores: more ranks than cores run slower
+        efficiency *= min(1.0, cores / world_size) / min(1.0, cores / measured)
     hbm = c.get("hbm_bytes_per_s", 1e10)
     # gloo's collectives run on the same cores as the compute, so nothing overlaps; "offloading" to host
     # memory on a CPU is the same memory: an update as costly as on the device, plus two copies
