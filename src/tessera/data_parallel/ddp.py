@@ -36,10 +36,14 @@ class DistributedDataParallel(nn.Module):
 
     ``reduce_op``: "avg" divides the summed gradients by the group size (each rank's loss is a local
     mean); "sum" leaves them summed (each rank's loss is already divided by the global token count).
+    ``parameters``: the subset of the module's parameters this instance replicates over ``group``
+    (default: all that require grad), so that different parameters can be reduced over different
+    groups (expert parallelism); ``broadcast_buffers`` also makes buffers and frozen parameters equal.
     """
 
     def __init__(self, module: nn.Module, group: CommGroup, bucket_mb: float = 25.0,
-                 find_unused_parameters: bool = False, reduce_op: str = "avg"):
+                 find_unused_parameters: bool = False, reduce_op: str = "avg", parameters=None,
+                 broadcast_buffers: bool = True):
         super().__init__()
         if reduce_op not in ("avg", "sum"):
             raise ValueError(f"reduce_op must be 'avg' or 'sum', got '{reduce_op}'")
@@ -49,7 +53,8 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self._sync = True
         self._callback_queued = False
-        params = [p for p in module.parameters() if p.requires_grad]
+        self.broadcast_buffers = broadcast_buffers
+        params = [p for p in (module.parameters() if parameters is None else parameters) if p.requires_grad]
         self.buckets: list[Bucket] = build_buckets(list(reversed(params)), int(bucket_mb * 2**20))
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0
@@ -90,6 +95,8 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(bucket.params):
                 p.copy_(bucket.view(i))
             bucket.buffer.zero_()
+        if not self.broadcast_buffers:
+            return
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         tensors = frozen + [b for b in self.module.buffers()]
         for t in tensors:  # buffers are few and small; one message each keeps this simple

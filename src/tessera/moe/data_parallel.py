@@ -6,11 +6,12 @@ other ep groups), and after backward it already holds the gradient of every toke
 it, so it is summed over ``edp`` only. Both sums follow the house loss convention (each micro-batch's
 summed loss divided by the GLOBAL token count), which makes the result equal one process.
 
-Forward communication: none (at construction dense state is broadcast from dp rank 0 and expert state
-from edp rank 0). Backward communication: at the end of each synchronised backward, one coalesced
-all-reduce (sum) of the dense gradients on ``dp`` and one of the expert gradients on ``edp``:
-2(dp−1)/dp · dense bytes + 2(edp−1)/edp · local expert bytes per rank. Inside ``no_sync()`` gradients
-only accumulate. A parameter without a gradient contributes zeros.
+Both are tessera's DistributedDataParallel over a subset of the parameters, so the gradients travel in
+buckets launched from gradient hooks during backward, as for a dense model. Forward communication:
+none (at construction dense state is broadcast from dp rank 0 and expert state from edp rank 0).
+Backward communication: bucketed all-reduces (sum) of the dense gradients on ``dp`` and of the expert
+gradients on ``edp``: 2(dp−1)/dp · dense bytes + 2(edp−1)/edp · local expert bytes per rank. Inside
+``no_sync()`` gradients only accumulate. A parameter without a gradient contributes zeros.
 """
 
 from __future__ import annotations
@@ -20,71 +21,39 @@ import contextlib
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.data_parallel import DistributedDataParallel
 from tessera.moe.expert_parallel import apply_expert_parallel, expert_parameters
 
 
 class ExpertDataParallel(nn.Module):
     """Wraps an expert-parallel ``module``; ``dp`` and ``edp`` are CommGroups from the Topology."""
 
-    def __init__(self, module: nn.Module, dp: CommGroup, edp: CommGroup):
+    def __init__(self, module: nn.Module, dp: CommGroup, edp: CommGroup, bucket_mb: float = 25.0):
         super().__init__()
         self.module, self.dp, self.edp = module, dp, edp
         experts = {id(p) for p in expert_parameters(module)}
         params = [p for p in module.parameters() if p.requires_grad]
-        self.groups = [
-            ([p for p in params if id(p) not in experts], dp),
-            ([p for p in params if id(p) in experts], edp),
+        dense = [p for p in params if id(p) not in experts]
+        self.dense_parameters = dense
+        # a plain list, so the wrapped module is not registered three times
+        self._replicas = [
+            DistributedDataParallel(module, dp, bucket_mb, reduce_op="sum", parameters=dense),
+            DistributedDataParallel(module, edp, bucket_mb, reduce_op="sum",
+                                    parameters=[p for p in params if id(p) in experts], broadcast_buffers=False),
         ]
-        self._sync, self._queued = True, False
-        self._broadcast_state()
-        if dp.size > 1:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
 
     @property
-    def dense_parameters(self) -> list[nn.Parameter]:
-        return self.groups[0][0]
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [buf for ddp in self._replicas for buf in ddp.grad_buffers]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
-        previous, self._sync = self._sync, False
-        try:
+        with self._replicas[0].no_sync(), self._replicas[1].no_sync():
             yield
-        finally:
-            self._sync = previous
-
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        for params, group in self.groups:
-            if params and group.size > 1:
-                flat = torch.cat([p.reshape(-1) for p in params])
-                comm.broadcast(flat, group, src=0)
-                torch._foreach_copy_(params, [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in params]), params)])
-        for buf in self.module.buffers():
-            comm.broadcast(buf.data, self.dp, src=0)
-
-    def _on_grad(self, _p: nn.Parameter) -> None:
-        if self._sync and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
-
-    @torch.no_grad()
-    def _reduce(self) -> None:
-        """Sum every gradient over its group; one flat all-reduce per group, issued in a fixed order."""
-        self._queued = False
-        for params, group in self.groups:
-            if not params or group.size == 1:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group, op="sum")
-            for p, piece in zip(params, flat.split([p.numel() for p in params])):
-                p.grad = piece.view_as(p).clone() if p.grad is None else p.grad.copy_(piece.view_as(p))
 
 
 def expert_parallelize(model: nn.Module, topology) -> ExpertDataParallel:
