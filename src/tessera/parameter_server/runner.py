@@ -14,24 +14,17 @@ from tessera.errors import ConfigError
 from tessera.parameter_server.job import run_ps_job
 
 
-def _first_free(base: Path) -> Path:
-    candidate, n = base, 1
-    while candidate.exists() and any(candidate.iterdir()):
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
-
-
 def train_ctr(cfg) -> dict:
     """``cfg`` is the job config (tessera.train.config.JobConfig): uses ``ps``, ``train.steps`` and ``run``."""
     from tessera.train.config import save_config
+    from tessera.train.rundir import first_free
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         raise ConfigError("the parameter-server mode (model.preset=ctr) starts its own processes: "
                           "run it without torchrun")
     ps = cfg.ps.validate()
     name = cfg.run.name or f"ctr-ps{ps.servers}-w{ps.workers}-{ps.mode}"
-    run_dir = _first_free(Path(cfg.run.out_dir) / name)
+    run_dir = first_free(Path(cfg.run.out_dir) / name)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.toml")
     last = [-1]

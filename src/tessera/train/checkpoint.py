@@ -35,13 +35,26 @@ def _quiet_single_process():
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
                     world: CommGroup) -> Path:
     """Collective over ``world``: every rank writes its part; rank 0 writes ``trainer.json`` and renames."""
+    partial = _begin(path, world)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=world.size == 1)
+    return _commit(partial, path, meta, world)
+
+
+def _begin(path: Path, world: CommGroup) -> Path:
+    """The ``.partial`` folder every rank writes into (emptied first), so a kill mid-save never touches
+    the previous checkpoint at ``path``."""
     partial = path.with_name(path.name + ".partial")
     if world.rank == 0 and partial.exists():
         shutil.rmtree(partial)
     comm.barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=world.size == 1)
+    return partial
+
+
+def _commit(partial: Path, path: Path, meta: dict, world: CommGroup) -> Path:
+    """Once every rank has written: rank 0 adds ``trainer.json`` and renames ``partial`` to ``path``."""
+    comm.barrier(world)
     if world.rank == 0:
         (partial / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         if path.exists():
@@ -55,10 +68,7 @@ def save_sharded_checkpoint(path: Path, engine, model: nn.Module, meta: dict, wo
     """A ZeRO engine's checkpoint (collective over ``world``): the full model weights through DCP (every
     rank holds or gathers them, DCP writes each once) and each rank's optimizer shard (fp32 masters and
     state) as ``optim/rank<r>.pt``, which reloads at the same layout."""
-    partial = path.with_name(path.name + ".partial")
-    if world.rank == 0 and partial.exists():
-        shutil.rmtree(partial)
-    comm.barrier(world)
+    partial = _begin(path, world)
     weights = engine.full_state() if hasattr(engine, "full_state") else {
         k: v.detach() for k, v in model.state_dict().items()}
     with _quiet_single_process():
@@ -67,14 +77,7 @@ def save_sharded_checkpoint(path: Path, engine, model: nn.Module, meta: dict, wo
     shards = {"optimizer": engine.optimizer.state_dict(),
               "masters": [s.master.detach().cpu() for s in engine.update.shards]}
     torch.save(shards, partial / "optim" / f"rank{world.rank}.pt")
-    comm.barrier(world)
-    if world.rank == 0:
-        (partial / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if path.exists():
-            shutil.rmtree(path)
-        partial.rename(path)
-    comm.barrier(world)
-    return path
+    return _commit(partial, path, meta, world)
 
 
 def load_sharded_checkpoint(path: Path, engine, rank: int) -> dict:
