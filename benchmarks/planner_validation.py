@@ -1,13 +1,15 @@
-"""The planner's predictions against measurements on this machine (DDP, ZeRO-1/2/3, TP, TP+SP).
+"""The planner's predictions against measurements on this machine: DDP, ZeRO-1/2/3, TP, TP+SP, pipeline
+schedules (GPipe, 1F1B, interleaved), ring context parallelism, expert parallelism and ZeRO offload.
 
 Every configuration trains tessera's reference model (fp32, AdamW) for a few steps on local gloo ranks,
-through the strategy modules directly, and records per rank: model-state and activation bytes counted
-from live tensors (tessera.train.memory), the comm ledger's payload bytes per axis, and the fastest step
-time. The planner predicts the same quantities from the shapes alone, with this machine's calibrated
-matmul rate and all-reduce α, β (tessera.planner.calibrate). Writes the table into docs/PLANNER.md.
+through the strategy modules directly (DDP, ZeRO, TP rows) or through tessera's Trainer (the others, see
+_planner_trainer.py), and records per rank: model-state and activation bytes counted from live tensors
+(tessera.train.memory), the comm ledger's payload bytes per axis, and the fastest step time with the
+seconds it spent blocked in collectives. The planner predicts the same quantities from the shapes alone,
+with this machine's calibrated rates (tessera.planner.calibrate). Writes the table into docs/PLANNER.md.
 
-    python benchmarks/planner_validation.py                 # calibrate, measure, write the doc table
-    python benchmarks/planner_validation.py --no-write --steps 4
+    python benchmarks/planner_validation.py                          # calibrate, measure, write the doc
+    python benchmarks/planner_validation.py --no-write --configs tp,tp_sp --steps 4
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tessera.planner.local import local_gpu  # noqa: E402
 from tessera.testing import RankPool  # noqa: E402
 from tessera.topology import ParallelConfig, Topology  # noqa: E402
 from tessera.train.memory import MemoryLedger, storage_bytes  # noqa: E402
+from _planner_trainer import measure_trainer  # noqa: E402
 
 DOC = DOCS / "PLANNER.md"
 
@@ -52,17 +55,36 @@ PUBLISHED = [
 ]
 CPU = torch.device("cpu")
 
-# name → (ranks, planner layout given the ranks and micro-batch)
+# name → (ranks, planner layout given the ranks and the sequences per data-parallel rank, model preset or
+# None for --preset, trainer overrides or None (measured through the strategy modules), axes compared);
+# pipelines split each rank's sequences into 4 micro-batches.
+MB4 = 4
 CONFIGS = {
-    "single": (1, lambda n, mb: Layout(dp=1, micro_batch=mb)),
-    "ddp": (2, lambda n, mb: Layout(dp=n, micro_batch=mb)),
-    "zero1": (2, lambda n, mb: Layout(dp=n, zero_stage=1, micro_batch=mb)),
-    "zero2": (2, lambda n, mb: Layout(dp=n, zero_stage=2, micro_batch=mb)),
-    "zero3": (2, lambda n, mb: Layout(dp=n, zero_stage=3, micro_batch=mb)),
-    "tp": (2, lambda n, mb: Layout(tp=n, micro_batch=mb)),
-    "tp_sp": (2, lambda n, mb: Layout(tp=n, sp=True, micro_batch=mb)),
-    "ddp4": (4, lambda n, mb: Layout(dp=n, micro_batch=mb)),
+    "single": (1, lambda n, r: Layout(dp=1, micro_batch=r), None, None, ("dp",)),
+    "ddp": (2, lambda n, r: Layout(dp=n, micro_batch=r), None, None, ("dp",)),
+    "zero1": (2, lambda n, r: Layout(dp=n, zero_stage=1, micro_batch=r), None, None, ("dp",)),
+    "zero2": (2, lambda n, r: Layout(dp=n, zero_stage=2, micro_batch=r), None, None, ("dp",)),
+    "zero3": (2, lambda n, r: Layout(dp=n, zero_stage=3, micro_batch=r), None, None, ("dp",)),
+    "tp": (2, lambda n, r: Layout(tp=n, micro_batch=r), None, None, ("tp",)),
+    "tp_sp": (2, lambda n, r: Layout(tp=n, sp=True, micro_batch=r), None, None, ("tp",)),
+    "ddp4": (4, lambda n, r: Layout(dp=n, micro_batch=r), None, None, ("dp",)),
+    "gpipe": (2, lambda n, r: Layout(pp=n, schedule="gpipe", micro_batch=r // MB4), None,
+              ["parallel.pp=2", "pipeline.schedule=gpipe", f"pipeline.microbatches={MB4}"], ("pp",)),
+    "1f1b": (2, lambda n, r: Layout(pp=n, schedule="1f1b", micro_batch=r // MB4), None,
+             ["parallel.pp=2", "pipeline.schedule=1f1b", f"pipeline.microbatches={MB4}"], ("pp",)),
+    "interleaved": (2, lambda n, r: Layout(pp=n, schedule="interleaved", virtual_stages=2, micro_batch=r // MB4),
+                    None, ["parallel.pp=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
+                           f"pipeline.microbatches={MB4}"], ("pp",)),
+    "cp2": (2, lambda n, r: Layout(cp=n, micro_batch=r), None, ["parallel.cp=2", "context_parallel.method=ring"],
+            ("cp", "dp")),
+    "ep2": (2, lambda n, r: Layout(dp=n, ep=n, micro_batch=r), "moe-small",
+            ["parallel.dp_replicate=2", "parallel.ep=2"], ("ep", "dp")),
+    "zero2_offload": (2, lambda n, r: Layout(dp=n, zero_stage=2, offload=True, micro_batch=r), None,
+                      ["parallel.dp_shard=2", "parallel.zero_stage=2", "zero.offload=true"], ("dp",)),
 }
+# the comm ledger's axis names and the ops that carry what the planner counts on each compared axis
+LEDGER_AXES = {"dp": ("dp", "dp_shard", "dp_cp"), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",)}
+AXIS_OPS = {"pp": ("send", "recv"), "cp": ("send", "recv"), "ep": ("all_to_all",)}
 
 
 def _batch(step: int, rows: int, seq: int, vocab: int, rank: int, dp: int):
@@ -121,13 +143,16 @@ def measure(rank: int, world_size: int, kind: str, preset: str, rows: int, seq: 
         model = Transformer(cfg)
         run, opt, memory, loss_fn, dp = _engine(kind, model, topo)
         dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
-        tracker = MemoryLedger(model)
+        # ZeRO-3 gathers weights into storages it frees after each unit's forward: they are parameters
+        # (the engine lists them while held), not activations, although autograd saves views of them
+        tracker = MemoryLedger(model, state_fn=run.memory_tensors if kind == "zero3" else None)
         times, mem, comm_start = [], None, None
         for step in range(steps + 2):
             if step == 2:
-                comm_start = {k: (v.bytes, v.wire_bytes) for k, v in topo.ledger.stats().items()}
+                comm_start = {k: (v.bytes, v.wire_bytes, v.count) for k, v in topo.ledger.stats().items()}
             x, y = _batch(step, rows, seq, cfg.vocab_size, dp_rank, dp_size)
-            t0 = time.perf_counter()
+            blocked0 = sum(v.seconds for v in topo.ledger.stats().values())
+            t0, c0 = time.perf_counter(), time.thread_time()
             ctx = tracker.track_activations() if step == 0 else torch.autograd.graph.saved_tensors_hooks(
                 lambda t: t, lambda t: t)
             with ctx:
@@ -138,58 +163,84 @@ def measure(rank: int, world_size: int, kind: str, preset: str, rows: int, seq: 
                 mem = memory()
             opt.zero_grad()
             if step >= 2:
-                times.append(time.perf_counter() - t0)
+                times.append((time.perf_counter() - t0,
+                              sum(v.seconds for v in topo.ledger.stats().values()) - blocked0,
+                              time.thread_time() - c0))
         comm = {}
         for (axis, op), v in topo.ledger.stats().items():
             if kind.startswith("zero") and op == "all_reduce":
                 continue  # the engine's 4-byte finite-flag and norm all-reduces, not gradient traffic
-            b0, w0 = comm_start.get((axis, op), (0, 0.0))
+            b0, w0, c0 = comm_start.get((axis, op), (0, 0.0, 0))
             axis = "dp" if axis == "dp_shard" else axis
-            a = comm.setdefault(axis, {"bytes": 0.0, "wire_bytes": 0.0})
+            a = comm.setdefault(axis, {"bytes": 0.0, "wire_bytes": 0.0, "calls": 0.0, "ops": {}})
+            a["ops"][op] = (v.bytes - b0) / steps
             a["bytes"] += (v.bytes - b0) / steps
             a["wire_bytes"] += (v.wire_bytes - w0) / steps
+            a["calls"] += (v.count - c0) / steps
         return {"memory": mem, "activations": tracker.activation_bytes, "comm": comm,
-                "step_s": min(times)}  # the least disturbed step: the machine is shared
+                "step_s": min(times)[0],  # the least disturbed step: the machine is shared
+                "blocked_s": min(times)[1],  # of which in collectives (waiting for the peer included)
+                "cpu_s": min(t[2] for t in times),  # this thread's CPU seconds: what load does not inflate
+                "steps_s": times}
     finally:
         topo.destroy()
 
 
 def predict(kind: str, preset: str, rows: int, seq: int, calibration: dict) -> dict:
-    ranks, make = CONFIGS[kind]
-    cfg = model_config(preset)
-    spec = from_model_config(preset, cfg)
-    dp = 1 if kind.startswith("tp") else ranks
+    ranks, make, own_preset = CONFIGS[kind][:3]
+    preset = own_preset or preset
+    spec = from_model_config(preset, model_config(preset))
     layout = make(ranks, rows)
+    batch = rows * layout.dp
     gpu = local_gpu(ranks, calibration)
-    est = estimate(spec, layout, gpu, rows * dp, seq, precision="fp32", optimizer="adam")
-    return {"memory": est.memory_bytes, "step_s": est.step_time_s,
-            "comm": comm_bytes(spec, layout, rows * dp, seq, precision="fp32")}
+    est = estimate(spec, layout, gpu, batch, seq, precision="fp32", optimizer="adam")
+    return {"memory": est.memory_bytes, "host": est.host_bytes, "step_s": est.step_time_s, "parts": est.time_s,
+            "comm": comm_bytes(spec, layout, batch, seq, precision="fp32")}
 
 
 def _states(mem: dict) -> float:
     return sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
 
 
+def _axis_bytes(comm: dict, axis: str) -> float:
+    """Bytes per step the ledger saw on ``axis`` in the ops the planner counts there."""
+    total = 0.0
+    for name in LEDGER_AXES[axis]:
+        ops = comm.get(name, {}).get("ops", {})
+        total += sum(v for op, v in ops.items() if op in AXIS_OPS.get(axis, ops))
+    return total
+
+
+def _measure(pools: dict, kind: str, preset: str, rows: int, seq: int, steps: int) -> list[dict]:
+    ranks, make, own_preset, overrides = CONFIGS[kind][:4]
+    if overrides is None:
+        if ranks == 1:
+            return [measure(0, 1, kind, preset, rows, seq, steps)]
+        pools.setdefault(ranks, RankPool(ranks))
+        return pools[ranks].run(measure, kind=kind, preset=preset, rows=rows, seq=seq, steps=steps, timeout=600)
+    dp = make(ranks, rows).dp
+    job = [f"model.preset={own_preset or preset}", f"data.seq_len={seq}", f"data.global_batch_size={rows * dp}",
+           f"data.micro_batch_size={rows}", "parallel.dp_replicate=1", *overrides]
+    pools.setdefault(ranks, RankPool(ranks))
+    return pools[ranks].run(measure_trainer, overrides=job, steps=steps, timeout=600)
+
+
 def run_all(kinds, preset, rows, seq, steps, calibration) -> list[dict]:
     rows_out, pools = [], {}
     try:
         for kind in kinds:
-            ranks = CONFIGS[kind][0]
-            if ranks == 1:
-                got = [measure(0, 1, kind, preset, rows, seq, steps)]
-            else:
-                pools.setdefault(ranks, RankPool(ranks))
-                got = pools[ranks].run(measure, kind=kind, preset=preset, rows=rows, seq=seq, steps=steps,
-                                       timeout=600)
+            got = _measure(pools, kind, preset, rows, seq, steps)
             pred = predict(kind, preset, rows, seq, calibration)
-            m = got[0]
-            axis = "tp" if kind.startswith("tp") else "dp"
+            m = max(got, key=lambda r: _states(r["memory"]) + r["activations"])  # the busiest rank
+            axes = CONFIGS[kind][4]
             rows_out.append({
-                "config": kind, "ranks": ranks,
-                "states_pred": _states(pred["memory"]), "states_meas": _states(m["memory"]),
+                "config": kind, "ranks": CONFIGS[kind][0], "load": os.getloadavg()[0],
+                "states_pred": _states(pred["memory"]) + pred["host"], "states_meas": _states(m["memory"]),
                 "acts_pred": pred["memory"]["activations"], "acts_meas": m["activations"],
-                "comm_pred": pred["comm"][axis], "comm_meas": m["comm"].get(axis, {}).get("bytes", 0.0),
-                "comm_axis": axis, "step_pred": pred["step_s"], "step_meas": max(r["step_s"] for r in got),
+                "comm": [(a, pred["comm"][a], _axis_bytes(m["comm"], a)) for a in axes],
+                "step_pred": pred["step_s"], "step_meas": max(r["step_s"] for r in got),
+                "blocked_meas": max(r["blocked_s"] for r in got), "parts_pred": pred["parts"],
+                "cpu_meas": max(r["cpu_s"] for r in got),
                 "memory_meas": m["memory"], "comm_meas_all": m["comm"],
             })
             print(json.dumps(rows_out[-1]), flush=True)
@@ -199,23 +250,43 @@ def run_all(kinds, preset, rows, seq, steps, calibration) -> list[dict]:
     return rows_out
 
 
+def _collective_s(parts: dict) -> float:
+    """The predicted seconds in blocking collectives (all of it exposed on CPU: no overlap), with the
+    pipeline bubble: a stage waiting for its neighbour is blocked in a receive."""
+    return sum(parts[k] for k in ("tp", "cp", "ep", "pp_p2p", "dp_exposed", "bubble"))
+
+
+def _compute_s(parts: dict) -> float:
+    """The predicted seconds a rank computes (its CPU time, waiting and bubbles not included)."""
+    return sum(parts[k] for k in ("compute", "optimizer", "offload"))
+
+
 def table(rows, preset, rows_per_rank, seq, calibration) -> str:
     head = ("| config | ranks | model states pred / meas (MB) | err | activations pred / meas (MB) | err "
-            "| comm bytes/step pred / meas (axis) | step s pred / meas | err |\n|---|---|---|---|---|---|---|---|---|")
+            "| comm bytes/step pred / meas (axis) | step s pred / meas | err | in collectives s pred / meas "
+            "| compute s pred / CPU meas |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         def err(p, m):
             return f"{(p - m) / m:+.1%}" if m else "n/a"
+        comm = "; ".join(f"{p:,.0f} / {m:,.0f} ({a})" for a, p, m in r["comm"])
         lines.append(
             f"| {r['config']} | {r['ranks']} | {r['states_pred'] / 1e6:.3f} / {r['states_meas'] / 1e6:.3f} | "
             f"{err(r['states_pred'], r['states_meas'])} | {r['acts_pred'] / 1e6:.3f} / {r['acts_meas'] / 1e6:.3f} | "
-            f"{err(r['acts_pred'], r['acts_meas'])} | {r['comm_pred']:,.0f} / {r['comm_meas']:,.0f} ({r['comm_axis']}) | "
-            f"{r['step_pred']:.4f} / {r['step_meas']:.4f} | {err(r['step_pred'], r['step_meas'])} |")
-    cal = (f"calibration: matmul {calibration['peak_flops'] / 1e9:.1f} GFLOP/s per rank, all-reduce "
-           f"α = {calibration['alpha_s'] * 1e6:.0f} µs, β = {calibration['bytes_per_s'] / 1e9:.2f} GB/s")
-    load = os.getloadavg()[0]
-    ctx = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
-           f"{load:.1f} when the table was written, "
+            f"{err(r['acts_pred'], r['acts_meas'])} | {comm} | "
+            f"{r['step_pred']:.4f} / {r['step_meas']:.4f} | {err(r['step_pred'], r['step_meas'])} | "
+            f"{_collective_s(r['parts_pred']):.4f} / {r['blocked_meas']:.4f} | "
+            f"{_compute_s(r['parts_pred']):.4f} / {r['cpu_meas']:.4f} |")
+    cal = (f"calibration: layer matmuls {calibration['peak_flops'] / 1e9:.1f} GFLOP/s per rank, reference step "
+           f"{calibration['step_flops_alone'] / 1e9:.1f} GFLOP/s alone and {calibration['step_flops'] / 1e9:.1f} "
+           f"with both ranks busy, non-matmul kernels {calibration.get('elementwise_s_per_byte', 0) * 1e9:.2f} "
+           f"ns per activation byte and {calibration.get('layer_call_s', 0) * 1e3:.2f} ms per layer and "
+           f"micro-batch, all-reduce α = {calibration['alpha_s'] * 1e6:.0f} µs, "
+           f"β = {calibration['bytes_per_s'] / 1e9:.2f} GB/s, start-up of a collective between compute "
+           f"segments {calibration.get('collective_sync_s', 0) * 1e3:.2f} ms")
+    loads = [r["load"] for r in rows] or [os.getloadavg()[0]]
+    ctx = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1-minute load "
+           f"average {min(loads):.1f}–{max(loads):.1f} while measuring (the benchmark's own ranks count), "
            f"torch {torch.__version__}, gloo; model preset `{preset}` (fp32, AdamW), {rows_per_rank} sequences "
            f"of {seq} tokens per data-parallel rank; {cal}.")
     return ctx + "\n\n" + "\n".join(lines)

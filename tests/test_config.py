@@ -83,7 +83,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     (["train", "--nproc", "2", "--parallel.pp=2", "--pipeline.microbatches=3"], "does not divide the batch size 16"),
     (["train", "--nproc", "2", "--model.preset=moe-small", "--model.num_experts=3", "--parallel.ep=2"],
      "parallel.ep=2 must divide the number of experts 3"),
-    (["train", "--nproc", "4", "--parallel.tp=2", "--parallel.zero_stage=3"], "is not supported in this version"),
+    (["train", "--nproc", "4", "--parallel.pp=2", "--parallel.zero_stage=3"], "is not supported in this version"),
     (["train", "--nproc", "8", "--parallel.cp=4", "--data.seq_len=100"], "must be divisible by 2·cp = 8"),
     (["train", "--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
 ])
@@ -116,11 +116,16 @@ def test_every_config_key_is_documented():
 
 @pytest.mark.parametrize("name", ["default.toml", "tiny.toml"])
 def test_shipped_configs_load(name):
-    validate_config(load_config(str(ROOT / "configs" / name)), 2)
+    cfg = load_config(str(ROOT / "configs" / name))
+    validate_config(cfg, cfg.run.nproc)
 
 
 def test_default_toml_says_what_no_arguments_do():
-    assert config_dict(load_config(str(ROOT / "configs" / "default.toml"))) == config_dict(load_config())
+    """`tessera train` without a layout runs the demo layout (tessera.cli.DEMO_LAYOUT); the file says so."""
+    from tessera.cli import DEMO_LAYOUT
+
+    demo = load_config(None, DEMO_LAYOUT)
+    assert config_dict(load_config(str(ROOT / "configs" / "default.toml"))) == config_dict(demo)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

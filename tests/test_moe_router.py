@@ -84,6 +84,28 @@ def test_noisy_gates_only_in_training_and_change_choices():
         assert (noisy != clean).any()
 
 
+
+def test_rsample_draws_each_tokens_experts_from_its_probabilities():
+    # Identical tokens (as early in training, when the router's inputs are nearly all alike):
+    # deterministic top-k sends every one to the same experts; rsample samples the k experts without
+    # replacement from p, so each expert's load follows p while the gate stays its probability.
+    torch.manual_seed(0)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    x = torch.ones(4000, 1)
+    for k in (1, 2):
+        router = fixed_router(p.log().unsqueeze(1), top_k=k, noisy_gate_policy="rsample", drop_tokens=False,
+                              normalize_top_k=False)
+        share = router(x).routed_E / 4000.0
+        # chance that expert e is among k draws without replacement (k = 2: first draw or second draw)
+        expect = p if k == 1 else p + torch.stack([(p * p[e] / (1 - p)).sum() - p[e] ** 2 / (1 - p[e])
+                                                   for e in range(4)])
+        torch.testing.assert_close(share, expect, atol=0.03, rtol=0)
+        routing = router(x)
+        torch.testing.assert_close(routing.gate_TK, p[routing.expert_TK])
+        assert router.eval()(x).routed_E.tolist() == ([4000, 0, 0, 0] if k == 1 else [4000, 4000, 0, 0])  # no noise
+    deterministic = fixed_router(p.log().unsqueeze(1), top_k=1, drop_tokens=False)
+    assert deterministic(x).routed_E.tolist() == [4000, 0, 0, 0]
+
 def dropped_output_rows(cfg: MoEConfig):
     torch.manual_seed(0)
     layer = MoEFeedForward(8, 16, 4, cfg)

@@ -195,7 +195,7 @@ def test_async_schedules_train_on_dp2_x_pp2(rank_pool, schedule):
 def checkpoint_worker(rank, world_size, path):
     from pathlib import Path
 
-    from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+    from tessera.train.checkpoint import load_training_state, save_training_state
 
     topo = Topology.build(ParallelConfig(pp=world_size, dp_replicate=1, timeout_s=60))
     try:
@@ -205,9 +205,9 @@ def checkpoint_worker(rank, world_size, path):
         ps.clip_grad_norm(MAX_NORM)
         ps.optimizer.step()
         ps.optimizer.zero_grad(set_to_none=True)
-        save_checkpoint(Path(path), ps.module, ps.optimizer, {"step": 1}, topo.group("world"))
+        save_training_state(Path(path), {"step": 1}, ps.module, ps.optimizer, None, topo)
         fresh = PipelineStep(make_model(False), cfg, topo, torch.device("cpu"), OPTIM)
-        load_checkpoint(Path(path), fresh.module, fresh.optimizer)
+        load_training_state(Path(path), fresh.module, fresh.optimizer, None, topo)
         same_state = all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
                          zip(ps.optimizer.state.values(), fresh.optimizer.state.values()))
         same_params = all(torch.equal(v, fresh.state_dict()[k]) for k, v in ps.state_dict().items())
@@ -218,15 +218,15 @@ def checkpoint_worker(rank, world_size, path):
 
 
 def test_checkpoint_of_stages_loads_into_full_model_and_back(rank_pool, tmp_path):
-    """save_checkpoint(ps.module, ps.optimizer): the stages' parameters under full names, written once;
+    """save_training_state(ps.module, ps.optimizer): the stages' parameters under full names, written once;
     they reload into a fresh PipelineStep (weights and AdamW state) and into one unpipelined Transformer."""
-    from tessera.train.checkpoint import load_checkpoint
+    from tessera.train.checkpoint import load_model
 
     path = tmp_path / "ckpt"
     res = rank_pool.run(checkpoint_worker, 2, path=str(path))
     assert all(r["same_params"] and r["same_state"] for r in res)
     full = make_model(False)
-    load_checkpoint(path, full)
+    load_model(path, full)
     merged = {**res[0]["params"], **res[1]["params"]}
     assert sorted(merged) == sorted(full.state_dict())
     for k, v in full.state_dict().items():

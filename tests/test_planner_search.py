@@ -147,10 +147,12 @@ def test_comm_bytes_per_step_follow_the_zero_accounting():
     spec = get_model("tessera-small")
     grad = spec.num_params() * 4
     ddp = comm_bytes(spec, Layout(dp=2, micro_batch=2), 8, 64, precision="fp32")
-    assert ddp == {"dp": grad, "tp": 0.0}
+    assert ddp == {"dp": grad, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
     assert comm_bytes(spec, Layout(dp=2, zero_stage=1, micro_batch=2), 8, 64, "fp32")["dp"] == 2 * grad
-    # ZeRO-3 gathers twice and reduce-scatters once per micro-batch: 1.5x DDP's wire traffic per micro-batch
-    assert comm_bytes(spec, Layout(dp=2, zero_stage=3, micro_batch=2), 8, 64, "fp32")["dp"] == 3 * grad * 2
+    # ZeRO-3 gathers twice and reduce-scatters once per micro-batch: 1.5x DDP's wire traffic per micro-batch,
+    # less the second gather of the root unit (the final norm), which stays gathered forward to backward
+    root = spec.hidden * 4
+    assert comm_bytes(spec, Layout(dp=2, zero_stage=3, micro_batch=2), 8, 64, "fp32")["dp"] == (3 * grad - root) * 2
     tp, sp = (comm_bytes(spec, Layout(tp=2, sp=s, micro_batch=4), 4, 64, "fp32")["tp"] for s in (False, True))
     act = 4 * 64 * spec.hidden * 4
     assert tp == spec.layers * 4 * act + 2 * act + 3 * 4 * 64 * 4

@@ -10,7 +10,8 @@ import torch
 
 from tessera.launch import run_rank
 from tessera.models import Transformer
-from tessera.train.checkpoint import load_checkpoint
+from tessera.checkpoint import checkpoint_tensors
+from tessera.train.checkpoint import load_model
 from tessera.train.config import load_config
 from tessera.train.optim import build_optimizer
 
@@ -28,8 +29,8 @@ def test_single_process_run_writes_everything(tmp_path, corpus_cache):
     cfg = load_config(None, tiny_args(tmp_path, corpus_cache, steps=6, extra=["--run.name=one"]))
     summary = run_rank(cfg)
     run = tmp_path / "one"
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/.metadata",
-                 "checkpoint/trainer.json"):
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/step_000006/.metadata",
+                 "checkpoint/step_000006/trainer.json", "progress.json"):
         assert (run / name).exists(), name
     written = json.loads((run / "summary.json").read_text())
     assert written["val_loss_end"] == summary["val_loss_end"]
@@ -44,8 +45,11 @@ def test_single_process_run_writes_everything(tmp_path, corpus_cache):
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 3, 6]
     # the checkpoint holds the final weights and optimizer state
     model = Transformer(cfg.model)
-    meta = load_checkpoint(run / "checkpoint", model, build_optimizer(model, cfg.optim))
+    meta = load_model(run / "checkpoint" / "step_000006", model)
     assert meta["step"] == 6 and meta["sampler"]["samples_consumed"] == 6 * 8
+    torch.manual_seed(cfg.run.seed)
+    initial = Transformer(cfg.model).state_dict()
+    assert all(not torch.equal(v, initial[k]) for k, v in model.state_dict().items() if k.endswith("wq.weight"))
     # a second run with the same name never overwrites the first
     assert run_rank(cfg)["run_dir"].endswith("one-2")
 
@@ -86,7 +90,7 @@ def test_cli_spawns_ranks_through_the_elastic_launcher(tmp_path, corpus_cache):
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert summary["layout"].startswith("2 rank(s): dp_replicate=2")
     assert Path(summary["run_dir"]).name == "tiny-dpr2"
-    assert (Path(summary["run_dir"]) / "checkpoint" / "__1_0.distcp").exists()  # rank 1 wrote its part
+    assert (Path(summary["run_dir"]) / "checkpoint" / "step_000004" / "__1_0.distcp").exists()  # rank 1 wrote its part
 
 
 def group_alive_worker(rank, world_size):
@@ -163,4 +167,5 @@ def test_cli_trains_with_zero3_bf16_and_selective_recompute(tmp_path, corpus_cac
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert summary["val_loss_end"] < summary["val_loss_start"]
-    assert (Path(summary["run_dir"]) / "checkpoint" / "optim" / "rank1.pt").exists()
+    saved = checkpoint_tensors(Path(summary["run_dir"]) / "checkpoint" / "step_000004")
+    assert saved["optim/output.weight/exp_avg"] == (256, 32)  # ZeRO-3 shards stored with global shapes

@@ -1,6 +1,8 @@
 """``tessera`` command line.
 
     tessera train [--config FILE] [--nproc N] [--section.key=value ...]
+    tessera plan --model NAME --gpus N --gpu NAME [...]
+    tessera export CHECKPOINT [--out FILE.safetensors]
 
 Everything a user can get wrong is checked here, before any rank starts, and reported as one sentence
 with exit code 2.
@@ -16,7 +18,9 @@ import sys
 from tessera import __version__
 from tessera.errors import UserError
 
-EPILOG = """overrides: any config key as --section.key=value, for example
+EPILOG = """with no --config, --nproc or layout key, the 3D-parallel demo runs: dp2 x tp2 x pp2 on 8 local
+ranks (configs/default.toml)
+overrides: any config key as --section.key=value, for example
   --model.preset=tiny --train.steps=50 --parallel.dp_replicate=2 --data.corpus=path/to/texts
 sections: run, model, parallel, ddp, optim, data, train, checkpoint, zero, precision, checkpointing,
   tensor_parallel, context_parallel, pipeline, moe, ps (see docs/CONFIG.md)
@@ -36,7 +40,32 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.planner.command import add_plan_parser
 
     add_plan_parser(sub)
+    export = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file",
+                            description="Consolidate a checkpoint written under any parallel layout into "
+                                        "one safetensors file of single-process parameter names.")
+    export.add_argument("checkpoint", help="a checkpoint folder (runs/<name>/checkpoint/step_<n>)")
+    export.add_argument("--out", help="the .safetensors file to write (default: <checkpoint>.safetensors beside the folder)")
     return parser
+
+
+# `tessera train` without a layout of its own: the 3D-parallel demo, dp2 x tp2 x pp2 on 8 local ranks
+# (configs/default.toml says the same). Any --config, --nproc, or key of these sections picks the
+# layout instead, as does torchrun, which decides the world size.
+DEMO_LAYOUT = ["--run.nproc=8", "--parallel.tp=2", "--parallel.pp=2", "--pipeline.schedule=1f1b",
+               "--pipeline.microbatches=4"]
+LAYOUT_SECTIONS = ("run.nproc", "model.preset", "parallel", "pipeline", "tensor_parallel", "context_parallel",
+                   "zero", "precision", "checkpointing", "moe", "ps")
+
+
+def with_demo_layout(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """``overrides`` preceded by the demo layout when the user chose no layout at all."""
+    from tessera.launch import under_torchrun
+
+    keys = [o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")]
+    chosen = any(k == s or k.startswith(s + ".") for k in keys for s in LAYOUT_SECTIONS)
+    if args.config is not None or args.nproc is not None or chosen or under_torchrun():
+        return overrides
+    return [*DEMO_LAYOUT, *overrides]
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -45,7 +74,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from tessera.train.config import load_config, validate_config
     from tessera.train.data import load_corpus
 
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, with_demo_layout(args, overrides))
     if cfg.model_preset == "ctr":  # parameter-server mode: its own server and worker processes (see [ps])
         from tessera.parameter_server.runner import train_ctr
 
@@ -62,6 +91,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if not ranked or os.environ.get("RANK", "0") == "0":
             print(f"parallel.auto chose {chosen}", file=sys.stderr)
     validate_config(cfg, world)
+    if not ranked:  # under torchrun every rank would repeat it; the ranks' own load checks the same
+        from tessera.train.resume import check_before_launch
+
+        check_before_launch(cfg)
     if ranked:
         summary = rank_entry(cfg)
         if os.environ.get("RANK", "0") == "0":
@@ -85,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, rest)
+        if args.command == "export":
+            from tessera.checkpoint import export_command
+
+            return export_command(args.checkpoint, args.out)
         if args.command == "plan":
             from tessera.planner.command import cmd_plan
 

@@ -2,10 +2,11 @@
 
 Order (torchtitan's, extended): pipeline split → tensor parallel (+ sequence parallel) → context
 parallel → expert parallel → activation checkpointing → mixed precision → data parallel / ZeRO.
-Each strategy composes with data parallelism; the pairings among pp, tp/cp, ep and ZeRO that are not
-composed yet are rejected by :func:`validate_composition` before any rank starts, with a sentence saying
-so. Pipeline parallelism is applied by the trainer (``tessera.train.pipeline_step``), since it changes the
-step itself rather than the model.
+Each strategy composes with data parallelism; the supported hybrids and the pairings rejected by
+:func:`validate_composition` (before any rank starts, with a sentence saying why) are listed in
+docs/HYBRID.md. Pipeline parallelism is applied by the trainer (``tessera.train.pipeline_step``), since
+it changes the step itself rather than the model; it calls :func:`norm_axes` / :func:`sharded_axes` too,
+so every clipping path counts each gradient element once by the rule of ``tessera.grad_norm``.
 
 Gradient convention: data-parallel gradients are *summed* over ranks, so the training loss on each
 rank must already be divided by the global number of tokens in the step (the trainer does this); that
@@ -30,25 +31,43 @@ def _reject(what: str, fix: str) -> None:
 
 
 def validate_composition(cfg) -> None:
-    """Reject strategy pairings this version cannot train; ``cfg`` is a JobConfig (degrees resolved or not)."""
+    """Reject strategy pairings this version cannot train; ``cfg`` is a JobConfig (degrees resolved or not).
+
+    Supported (docs/HYBRID.md): dp_replicate × dp_shard (ZeRO 0–3) × tp (+SP) × cp, pp × dp × tp (+SP)
+    with ZeRO 0–1, ep × dp × tp (+SP) with DDP, mixed precision × dp × tp."""
     par = cfg.parallel
     mixed = cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("", "fp32")
-    model_par = {"pp": par.pp, "tp": par.tp, "cp": par.cp, "ep": par.ep}
     if par.pp > 1:
         if cfg.model.num_experts:
             _reject("pipeline parallelism of a mixture-of-experts model", "set parallel.pp=1")
-        for axis in ("tp", "cp", "ep"):
-            if model_par[axis] > 1:
-                _reject(f"pipeline parallelism together with parallel.{axis}>1", f"set parallel.{axis}=1")
-        if par.zero_stage > 0 or mixed or cfg.checkpointing.mode != "none":
-            _reject("pipeline parallelism together with ZeRO, mixed precision or [checkpointing]",
-                    "use parallel.zero_stage=0, precision.dtype=fp32, checkpointing.mode=none "
+        for axis in ("cp", "ep"):
+            if getattr(par, axis) > 1:
+                _reject(f"pipeline parallelism together with parallel.{axis}>1 (stages exchange whole "
+                        f"sequences)", f"set parallel.{axis}=1")
+        if par.zero_stage > 1:
+            _reject("pipeline parallelism together with ZeRO-2/3 (they reduce or gather on every backward, "
+                    "the pipeline runs many)", "use parallel.zero_stage=0 or 1")
+        if mixed or cfg.checkpointing.mode != "none":
+            _reject("pipeline parallelism together with mixed precision or [checkpointing]",
+                    "use precision.dtype=fp32 and checkpointing.mode=none "
                     "(pipeline.recompute re-materialises stages)")
-    if par.ep > 1 and (par.tp > 1 or par.cp > 1):
-        _reject("expert parallelism together with tensor or context parallelism", "set parallel.tp=1 and parallel.cp=1")
-    if (par.tp > 1 or par.cp > 1 or par.ep > 1) and (par.zero_stage > 0 or mixed):
-        _reject("ZeRO or mixed precision together with tensor, context or expert parallelism",
-                "use parallel.zero_stage=0 and precision.dtype=fp32")
+        if par.tp > 1 and cfg.pipeline.schedule in ("pipedream", "2bw"):
+            _reject(f"tensor parallelism with the weight-stashing pipeline.schedule={cfg.pipeline.schedule!r}",
+                    "use a flush schedule (gpipe, 1f1b, interleaved or zb-h1)")
+        if par.zero_stage == 1 and cfg.pipeline.schedule == "pipedream":
+            _reject("ZeRO-1 with the asynchronous pipedream schedule (it steps inside the pipeline)",
+                    "use another pipeline.schedule or parallel.zero_stage=0")
+    if par.ep > 1 and par.cp > 1:
+        _reject("expert parallelism together with context parallelism (routing groups would be sequence "
+                "chunks)", "set parallel.cp=1")
+    if par.ep > 1 and par.zero_stage > 0:
+        _reject("expert parallelism together with ZeRO (experts reduce over edp, not dp)",
+                "use parallel.zero_stage=0")
+    if (par.cp > 1 or par.ep > 1) and mixed:
+        _reject("mixed precision together with context or expert parallelism", "use precision.dtype=fp32")
+    if cfg.model.num_experts and par.cp > 1:
+        _reject("context parallelism of a mixture-of-experts model (routing groups would be sequence "
+                "chunks)", "set parallel.cp=1")
     if par.tp > 1 and cfg.tensor_parallel.mode != "1d":
         _reject(f"training with tensor_parallel.mode={cfg.tensor_parallel.mode!r} (those layers are a library)",
                 "use tensor_parallel.mode=1d")
@@ -65,15 +84,16 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
                 context_parallel=None, device: torch.device = torch.device("cpu")) -> nn.Module:
     """Apply every strategy the topology asks for to ``model`` (in place where possible).
 
-    Tensor parallelism (+SP), then context parallelism, then activation checkpointing, then expert
-    parallelism, or mixed precision and ZeRO (``parallel.zero_stage`` ≥ 1, or low precision, which needs
-    fp32 master weights), or else DDP over dp × cp. A sharded engine owns the optimizer, built by
-    ``make_optimizer(groups)`` over master shards of ``param_groups`` (see :func:`is_sharded`).
+    Tensor parallelism (+SP; MoE feed-forwards stay whole on every tp rank), then context parallelism,
+    then activation checkpointing, then expert parallelism (with DDP over dp / edp), or mixed precision
+    and ZeRO (``parallel.zero_stage`` ≥ 1, or low precision, which needs fp32 master weights), or else
+    DDP over dp × cp. A sharded engine owns the optimizer, built by ``make_optimizer(groups)`` over master
+    shards of ``param_groups`` (see :func:`is_sharded`), and clips by the job-wide norm. ``param_groups``
+    may be a callable ``model -> groups``, called after tensor parallelism replaced the layers.
     """
+    tp_cfg = None
     if topology.size("tp") > 1:
-        from tessera.tensor_parallel import TensorParallelConfig, apply_tensor_parallel
-
-        apply_tensor_parallel(model, topology.group("tp"), tensor_parallel or TensorParallelConfig())
+        tp_cfg = apply_tp(model, topology.group("tp"), tensor_parallel)
     if topology.size("cp") > 1:
         from tessera.context_parallel import ContextParallelConfig, apply_context_parallel
 
@@ -83,14 +103,21 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
         from tessera.moe import expert_parallelize
 
-        return expert_parallelize(model, topology)
+        model = expert_parallelize(model, topology)
+    if tp_cfg is not None and tp_cfg.sequence_parallel:
+        whole_moe_under_sp(unwrap(model), topology.group("tp"))
+    if topology.size("ep") > 1:
+        return model
     precision = precision or PrecisionConfig()
     stage = topology.config.zero_stage
     if stage > 0 or precision.mixed or precision.grad_reduce_dtype != precision.param_dtype:
         from tessera.models.layers import TransformerBlock
 
+        if callable(param_groups):  # built from the model as it is now (tp replaced its linear layers)
+            param_groups = param_groups(model)
         return shard_model(model, param_groups, make_optimizer, topology, stage, zero or ZeroConfig(),
-                           precision, device, block_class=TransformerBlock)
+                           precision, device, block_class=TransformerBlock, norm_axes=norm_axes(topology),
+                           param_axes=sharded_axes(model, topology))
     dp = data_parallel_group(topology)
     if dp.size > 1:
         model = DistributedDataParallel(
@@ -98,6 +125,55 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
             reduce_op="sum",
         )
     return model
+
+
+def apply_tp(model: nn.Module, tp, cfg=None):
+    """Megatron 1D tensor parallelism over ``tp``; mixture-of-experts feed-forwards are left whole
+    (replicated over tp, see ``tensor_parallel/replicated.py``). Returns the TensorParallelConfig."""
+    from tessera.models.moe import MoEFeedForward
+    from tessera.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, default_plan
+    from tessera.tensor_parallel.replicated import plan_without
+
+    cfg = cfg or TensorParallelConfig()
+    moe = {name for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+    apply_tensor_parallel(model, tp, cfg, plan_without(default_plan(), model, moe) if moe else None)
+    return cfg
+
+
+def whole_moe_under_sp(model: nn.Module, tp) -> None:
+    """Under sequence parallelism, run every MoE feed-forward on the whole sequence (after expert
+    parallelism replaced the layers, so the hooks sit on the modules that run)."""
+    from tessera.models.moe import moe_layers
+    from tessera.tensor_parallel.replicated import whole_sequence_hooks
+
+    for layer in moe_layers(model):
+        whole_sequence_hooks(layer, tp)
+
+
+def norm_axes(topology: Topology, pipeline: bool = False) -> dict:
+    """The axes along which some parameter's gradient is split (the job-wide norm sums over them):
+    tp, ep, and pp for a pipeline; a ZeRO engine adds its shard group. See ``tessera.grad_norm``."""
+    axes = {a: topology.group(a) for a in ("tp", "ep") if topology.size(a) > 1}
+    if pipeline and topology.size("pp") > 1:
+        axes["pp"] = topology.group("pp")
+    return axes
+
+
+def sharded_axes(model: nn.Module, topology: Topology):
+    """``axes_of(parameter) -> frozenset``: "tp" for tensor-parallel splits, "ep" for experts (every
+    other parameter is replicated along those axes)."""
+    from tessera.tensor_parallel.linear import is_sharded as tp_sharded
+
+    experts = set()
+    if topology.size("ep") > 1:
+        from tessera.moe import expert_parameters
+
+        experts = {id(p) for p in expert_parameters(model)}
+
+    def axes_of(p) -> frozenset:
+        return frozenset(("tp",) if tp_sharded(p) else ()) | frozenset(("ep",) if id(p) in experts else ())
+
+    return axes_of
 
 
 def unwrap(model: nn.Module) -> nn.Module:

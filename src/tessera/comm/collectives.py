@@ -5,13 +5,16 @@ group's first member; they are translated to global ranks, which every torch>=2.
 otherwise the call completes before returning. On a size-1 group nothing is sent: the outputs are
 filled with what one process would compute and a completed handle is returned.
 
-A call that does not complete within the group's timeout (a peer crashed, hung or issued a different
-collective) raises :class:`tessera.errors.CommTimeoutError` naming this rank, the op, the axis and the
-call's sequence number on that axis.
+A call that cannot complete raises a one-sentence :class:`tessera.errors.CommError` naming this rank, the
+op, the axis with its member ranks and the call's sequence number on that axis, worded after the cause:
+:class:`~tessera.errors.PeerGoneError` when a peer process is gone (gloo says so at once: "Connection
+closed by peer"), :class:`~tessera.errors.CommTimeoutError` when the group's timeout ran out (a peer hung
+or issued a different collective).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from tessera.comm.group import CommGroup
 from tessera.comm.ledger import wire_bytes
-from tessera.errors import CommTimeoutError
+from tessera.errors import CommError, CommTimeoutError, PeerGoneError
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -42,14 +45,41 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def comm_failure(group: CommGroup, op: str, seq: int, err: BaseException) -> CommTimeoutError:
-    """The error a user sees when a call cannot complete: who, what, where, which call."""
+# what backends say when the other end of a connection is gone (gloo, NCCL) or when the timeout ran out
+_GONE = ("closed by peer", "connection reset", "broken pipe", "connection refused", "remote process exited")
+_TIMEOUT = ("timed out", "timeout")
+
+
+def _backend_said(err: BaseException) -> str:
+    """The backend's message without its source-file prefix, cut to its first sentence."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(err).strip())
+    return text.split(". ", 1)[0].rstrip(". ")[:200]
+
+
+def comm_failure(group: CommGroup, op: str, seq: int, err: BaseException, peer: int | None = None) -> CommError:
+    """The one-sentence error a user sees when a call cannot complete: who, what, where, which call, and
+    why. ``peer`` is the global rank of a point-to-point call's peer; in a group of two it is the other."""
+    if peer is None and group.size == 2:
+        peer = group.ranks[1 - group.rank]
+    text = str(err).lower()
+    cause = "peer gone" if any(k in text for k in _GONE) else "timeout" if any(k in text for k in _TIMEOUT) else "error"
+    who = f"peer rank {peer}" if peer is not None else "a peer"
+    where = f"rank {group.global_rank}: {op} call #{seq} on axis '{group.axis}' (ranks {list(group.ranks)})"
+    said = _backend_said(err)
+    if cause == "peer gone":
+        return PeerGoneError(
+            f"{where} failed because {who} is gone: its process crashed, was killed or exited "
+            f"(backend said: {said})",
+            rank=group.global_rank, op=op, axis=group.axis, ranks=group.ranks, peer=peer, cause=cause)
     recent = ", ".join(f"#{r.seq} {r.op}" for r in group.ledger.recent if r.axis == group.axis)
-    return CommTimeoutError(
-        f"rank {group.global_rank}: {op} call #{seq} on axis '{group.axis}' (ranks {list(group.ranks)}) "
-        f"did not complete within {group.timeout.total_seconds():g} s: a peer crashed, hung or issued a "
-        f"different collective (recent calls on this axis: {recent or 'none'}; backend said: {err})"
-    )
+    if cause == "timeout":
+        return CommTimeoutError(
+            f"{where} did not complete within {group.timeout.total_seconds():g} s: {who} hung or issued a "
+            f"different collective (recent calls on this axis: {recent or 'none'}; backend said: {said})",
+            rank=group.global_rank, op=op, axis=group.axis, ranks=group.ranks, peer=peer, cause=cause)
+    return CommError(
+        f"{where} failed (recent calls on this axis: {recent or 'none'}; backend said: {said})",
+        rank=group.global_rank, op=op, axis=group.axis, ranks=group.ranks, peer=peer, cause=cause)
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names now warn on every
@@ -63,8 +93,9 @@ class Handle:
     finishing step (e.g. copying a gathered result into place)."""
 
     def __init__(self, work=None, group: CommGroup | None = None, op: str = "", seq: int = 0,
-                 then: Callable[[], None] | None = None):
+                 then: Callable[[], None] | None = None, peer: int | None = None):
         self._work, self._group, self._op, self._seq, self._then = work, group, op, seq, then
+        self._peer = peer  # global rank of a point-to-point call's peer, named in its error
         self.done = work is None and then is None
 
     def is_completed(self) -> bool:
@@ -79,7 +110,7 @@ class Handle:
             try:
                 self._work.wait()
             except RuntimeError as err:
-                raise comm_failure(self._group, self._op, self._seq, err) from err
+                raise comm_failure(self._group, self._op, self._seq, err, self._peer) from err
             self._group.ledger.add_seconds(self._group.axis, self._op, time.perf_counter() - start)
         if self._then is not None:
             self._then()
@@ -90,16 +121,17 @@ DONE = Handle()
 
 
 def _issue(group: CommGroup, op: str, payload: int, wire: float, launch: Callable, async_op: bool,
-           then: Callable[[], None] | None = None) -> Handle:
-    """Launch ``launch(async_op)`` on the group, record it, and wrap failures."""
+           then: Callable[[], None] | None = None, peer: int | None = None) -> Handle:
+    """Launch ``launch(async_op)`` on the group, record it, and wrap failures (``peer``: the global rank
+    a point-to-point call talks to)."""
     seq = group.next_seq()
     start = time.perf_counter()
     try:
         work = launch(async_op)
     except RuntimeError as err:
-        raise comm_failure(group, op, seq, err) from err
+        raise comm_failure(group, op, seq, err, peer) from err
     group.ledger.record(group.axis, op, payload, wire, time.perf_counter() - start, seq)
-    handle = Handle(work, group, op, seq, then)
+    handle = Handle(work, group, op, seq, then, peer)
     if not async_op:
         if then is not None:
             then()

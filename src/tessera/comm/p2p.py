@@ -2,6 +2,8 @@
 
 ``send``/``recv`` block; ``isend``/``irecv`` return a Handle; ``batch_isend_irecv`` posts several at once
 so that a pair of ranks exchanging in both directions cannot deadlock (pipeline schedules use it).
+A message that cannot complete raises a :class:`tessera.errors.CommError` naming the peer's rank
+(:class:`~tessera.errors.PeerGoneError` when the peer process is gone).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm.collectives import Handle, _issue, nbytes
+from tessera.comm.collectives import Handle, _issue, comm_failure, nbytes
 from tessera.comm.group import CommGroup
 
 
@@ -28,7 +30,8 @@ def _p2p(tensor: torch.Tensor, group: CommGroup, peer: int, op: str, async_op: b
     size = nbytes(tensor)
     name = op.lstrip("i")
     return _issue(group, name, size, float(size),
-                  lambda a: _wait_unless(fn(tensor, group.ranks[peer], group=group.pg), a), async_op)
+                  lambda a: _wait_unless(fn(tensor, group.ranks[peer], group=group.pg), a), async_op,
+                  peer=group.ranks[peer])
 
 
 def _wait_unless(work, async_op: bool):
@@ -71,9 +74,14 @@ def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[Handle]:
         dist.P2POp(dist.isend if p.op == "send" else dist.irecv, p.tensor, group.ranks[p.peer], group=group.pg)
         for p in ops
     ]
-    works = dist.batch_isend_irecv(dist_ops)
+    peers = sorted({group.ranks[p.peer] for p in ops})
+    try:
+        works = dist.batch_isend_irecv(dist_ops)
+    except RuntimeError as err:  # posting failed: name the peer when the batch has only one
+        raise comm_failure(group, "batch_isend_irecv", group.seq + 1, err,
+                           peers[0] if len(peers) == 1 else None) from err
     handles = []
     for p, work in zip(ops, works):
         size = nbytes(p.tensor)
-        handles.append(_issue(group, p.op, size, float(size), lambda a, w=work: w, True))
+        handles.append(_issue(group, p.op, size, float(size), lambda a, w=work: w, True, peer=group.ranks[p.peer]))
     return handles

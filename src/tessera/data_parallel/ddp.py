@@ -55,7 +55,9 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self.broadcast_buffers = broadcast_buffers
         params = [p for p in (module.parameters() if parameters is None else parameters) if p.requires_grad]
-        self.buckets: list[Bucket] = build_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        # a group of one reduces nothing: no buckets, so no flat buffer beside the gradients
+        self.buckets: list[Bucket] = (build_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+                                      if group.size > 1 else [])
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0
         self._in_finish = False

@@ -8,6 +8,8 @@ Definitions (T tokens in one routing group = one micro-batch on one rank, E expe
 - Router probabilities ``p = softmax(x W_g)`` in float32. Each token picks the k experts with the
   largest score; ties go to the LOWER expert index (a stable sort), so routing is deterministic.
   Gates are the chosen probabilities, renormalised to sum to 1 when k > 1 (``normalize_top_k``).
+  Training-only noise: "jitter" multiplies the input by U(1-eps, 1+eps); "rsample" adds Gumbel noise
+  to the scores (not to p), so the k experts are drawn from p without replacement.
 - Capacity per expert ``C = min(T, max(min_capacity, ceil(capacity_factor · k · T / E)))``. Slots
   are filled choice-major (every token's first choice before any second choice, GShard), in token
   order within a choice. An assignment past C is dropped: its expert output is zero, so the token
@@ -47,7 +49,11 @@ class MoEConfig:
     eval_capacity_factor: float = 2.0  # the same in eval mode
     min_capacity: int = 4  # lower bound on slots per expert (small groups drop too much otherwise)
     drop_tokens: bool = True  # enforce capacity; False: no capacity, nothing is ever dropped
-    noisy_gate_policy: str = "none"  # "none", "jitter" (scale router input) or "rsample" (Gumbel)
+    # "none", "jitter" (scale the router input) or "rsample" (training only: the k experts are SAMPLED
+    # from p without replacement, Gumbel-top-k). rsample keeps load balanced while the router's inputs are
+    # still nearly alike (early training: deterministic top-k then sends a whole batch to the same k
+    # experts); see docs/MOE.md "Load balancing on the default corpus".
+    noisy_gate_policy: str = "none"
     jitter_eps: float = 1e-2  # jitter multiplies the router input by U(1-eps, 1+eps)
     normalize_top_k: bool = True  # renormalise the k chosen gates to sum to 1 (k > 1)
     use_residual: bool = False  # residual MoE: a dense MLP mixed with the experts (DeepSpeed)

@@ -8,11 +8,10 @@ the replicated parameters stay identical. Communication: one all-reduce of one f
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.grad_norm import clip_pieces, param_pieces
 from tessera.moe.expert_parallel import expert_parameters
 
 
@@ -25,17 +24,6 @@ def clip_grad_norm_moe(model: nn.Module, max_norm: float, ep: CommGroup,
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    sq = torch.zeros(2, dtype=torch.float32, device=params[0].grad.device)  # [dense, expert]
-    for p in params:
-        sq[int(id(p) in experts)] += p.grad.detach().float().pow(2).sum()
-    expert_sq = sq[1:].clone()
-    comm.all_reduce(expert_sq, ep)
-    total = (sq[0] + expert_sq[0]).reshape(1)
-    for group in sharded_over:
-        comm.all_reduce(total, group)
-    norm = total[0].sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(scale.to(p.grad.dtype))
-    return float(norm)
+    extra = {f"sharded{i}": g for i, g in enumerate(sharded_over)}
+    pieces = param_pieces(params, lambda p: ("ep",) if id(p) in experts else (), always=frozenset(extra))
+    return clip_pieces(pieces, max_norm, {"ep": ep, **extra}, params[0].grad.device)

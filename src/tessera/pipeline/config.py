@@ -46,6 +46,6 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.layer_costs has {len(self.layer_costs)} entries but the model has "
                               f"{n_layers} layers.")
         m = 1 if self.schedule == "naive" else self.microbatches
-        if batch_size is not None and batch_size % m:
+        if batch_size is not None and pp > 1 and batch_size % m:  # pp = 1: no pipeline, no split
             raise ConfigError(f"pipeline.microbatches={m} does not divide the batch size {batch_size}.")
         return self

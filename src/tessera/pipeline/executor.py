@@ -102,10 +102,10 @@ class PipelineExecutor:
             elif a.kind in ("RECV_F", "RECV_B"):
                 self._post_recv(acts, i, st)
             elif a.kind == "SEND_F":
-                out = st.outputs[(a.stage, a.mb)].detach()
+                out = st.outputs[(a.stage, a.mb)].detach().contiguous()  # SP's outputs can be strided
                 st.sends.append([comm.isend(out, self.pp, a.peer), out, (a.stage, a.mb)])
             elif a.kind == "SEND_B":
-                g = st.grads_in.pop((a.stage, a.mb))
+                g = st.grads_in.pop((a.stage, a.mb)).contiguous()
                 st.sends.append([comm.isend(g, self.pp, a.peer), g, None])
             elif a.kind == "STEP":
                 if self.versions is not None:

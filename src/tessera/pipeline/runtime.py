@@ -101,9 +101,15 @@ class Pipeline:
 
 def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
                    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], device: torch.device | str = "cpu",
-                   timeline: Timeline | None = None, on_step: Callable[[], None] | None = None) -> Pipeline:
+                   timeline: Timeline | None = None, on_step: Callable[[], None] | None = None,
+                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
+                   seq_split: int = 1) -> Pipeline:
     """Partition ``model`` (a full reference Transformer, identical on every pp rank), keep this rank's
-    stages, build and check the schedule, and return the runnable :class:`Pipeline`."""
+    stages, build and check the schedule, and return the runnable :class:`Pipeline`.
+
+    ``prepare_stage(stage) -> stage`` transforms each stage module before it runs (e.g. tensor
+    parallelism); ``seq_split``: the activations between stages hold 1/seq_split of the sequence
+    (sequence parallelism), activation_BsD with s = S / seq_split."""
     cfg.validate(pp.size, n_layers=len(model.layers))
     n_stages = pp.size * cfg.virtual_stages
     partition = partition_transformer(model, n_stages, cfg.partition, cfg.layers or None, cfg.layer_costs or None)
@@ -111,10 +117,12 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
     verify_complete(schedule)
     check(schedule)  # raises ScheduleError before any message is sent
     stages = {s: m.to(device) for s, m in stage_modules(model, partition, pp.size, pp.rank).items()}
+    if prepare_stage is not None:
+        stages = {s: prepare_stage(m) for s, m in stages.items()}
     dim = model.cfg.dim
 
     def activation_shape(x: torch.Tensor) -> tuple[int, int, int]:
-        return (x.shape[0], x.shape[1], dim)  # activation_BSD
+        return (x.shape[0], x.shape[1] // seq_split, dim)  # activation_BsD
 
     dtype = next(model.parameters()).dtype
     executor = PipelineExecutor(stages, schedule, pp, loss_fn, activation_shape, dtype, device, timeline,

@@ -7,6 +7,7 @@ t(S) = 2(n−1)·α + 2(n−1)/n·S/β by least squares. A few seconds on two co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -15,6 +16,11 @@ from datetime import timedelta
 import torch
 
 SIZES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)  # bytes per all-reduce
+# the reference step: tessera's `small` preset, 4 sequences of 128 tokens; its matmuls are [512, 256] by
+# [256, n] for n = 256 (wq, wo, head), 128 (wk, wv), 688 (w1, w3) and the [512, 688] by [688, 256] of w2
+REFERENCE = ("small", 4, 128)
+LAYER_MATMULS = ((256, 256), (256, 256), (256, 128), (256, 128), (256, 688), (256, 688), (688, 256))
+SYNC_BYTES = 512 * 2**10  # the interleaved all-reduce: one tensor-parallel all-reduce of the reference step
 
 
 def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=torch.float32) -> float:
@@ -33,6 +39,49 @@ def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=to
         torch.set_num_threads(before)
 
 
+def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1) -> float:
+    """FLOP/s of the reference layer's matmuls as training runs them (forward y = x·Wᵀ, backward
+    dx = dy·W and dW = dyᵀ·x), one thread: the matmul rate the time model's FLOPs are charged at. Timed
+    in the thread's CPU time (as the training step is), so that other processes on a shared machine do
+    not slow the calibration: these are the rates of a rank that has its core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mats = [(torch.randn(tokens, k), torch.randn(n, k), torch.randn(tokens, n)) for k, n in LAYER_MATMULS]
+        flops = sum(6 * tokens * k * n for k, n in LAYER_MATMULS)
+        best, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < seconds or best == float("inf"):
+            t0 = time.thread_time()
+            for x, w, dy in mats:
+                x @ w.t(), dy @ w, dy.t() @ x
+            best = min(best, time.thread_time() - t0)
+        return flops / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
+    """Seconds a SYNC_BYTES all-reduce adds to a segment of compute when every segment ends with one, as a
+    tensor-parallel rank issues them: each round times ``reps`` segments alone, then ``reps`` with the
+    all-reduce; the median over rounds of the paired difference (a change in the machine's load during
+    one round hits both halves of its pair, and outlying rounds do not move a median)."""
+    x, w = torch.randn(512, 256), torch.randn(688, 256)
+    buf = torch.ones(SYNC_BYTES // 4)
+    diffs = []
+    for _ in range(rounds):
+        pair = []
+        for communicate in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                x @ w.t()
+                if communicate:
+                    dist.all_reduce(buf)
+            pair.append((time.perf_counter() - t0) / reps)
+        diffs.append(pair[1] - pair[0])
+    return sorted(diffs)[len(diffs) // 2]
+
+
 def _allreduce_rank(rank: int, world: int, store_path: str, out_path: str, reps: int) -> None:
     import torch.distributed as dist
 
@@ -43,6 +92,7 @@ def _allreduce_rank(rank: int, world: int, store_path: str, out_path: str, reps:
         dist.barrier()
         step_rate = torch.tensor([training_step_flops()])  # every rank at once, as in a real run
         dist.all_reduce(step_rate)
+        interleaved = _interleaved_allreduce(dist)
         rows = []
         for size in SIZES:
             x = torch.ones(size // 4)
@@ -56,7 +106,7 @@ def _allreduce_rank(rank: int, world: int, store_path: str, out_path: str, reps:
             rows.append((size, min(times)))  # the least disturbed run: the machine may be shared
         if rank == 0:
             with open(out_path, "w") as fh:
-                fh.write(f"{float(step_rate) / world}\n" + "\n".join(f"{s} {t}" for s, t in rows))
+                fh.write(f"{float(step_rate) / world} {interleaved}\n" + "\n".join(f"{s} {t}" for s, t in rows))
     finally:
         dist.destroy_process_group()
 
@@ -73,9 +123,10 @@ def fit_alpha_beta(rows, world: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def allreduce_alpha_beta(world: int = 2, reps: int = 10) -> tuple[float, float, list, float]:
-    """Spawn ``world`` gloo ranks, time a reference training step on all of them at once and then
-    all-reduces; return (α seconds, β bytes/s, raw rows, mean step FLOP/s per rank)."""
+def allreduce_alpha_beta(world: int = 2, reps: int = 10) -> tuple[float, float, list, float, float]:
+    """Spawn ``world`` gloo ranks, time a reference training step on all of them at once, all-reduces
+    back to back, and small all-reduces between compute segments; return (α seconds, β bytes/s, raw rows,
+    mean step FLOP/s per rank, seconds an interleaved SYNC_BYTES all-reduce adds to a segment)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,47 +137,112 @@ def allreduce_alpha_beta(world: int = 2, reps: int = 10) -> tuple[float, float, 
             first, *lines = fh.read().splitlines()
         rows = [(int(s), float(t)) for s, t in (line.split() for line in lines)]
     alpha, beta = fit_alpha_beta(rows, world)
-    return alpha, beta, rows, float(first)
+    step, interleaved = (float(v) for v in first.split())
+    return alpha, beta, rows, step, interleaved
 
 
 def training_step_flops(preset: str = "small", rows: int = 4, seq: int = 128, steps: int = 3) -> float:
     """FLOP/s one rank reaches training tessera's reference model (model FLOPs / fastest step time, one
     thread): the rate small CPU runs really get, well below a large matmul's, since norms, softmax, the
     optimizer and framework overhead weigh as much as the matmuls at these sizes."""
-    from tessera.models import Transformer, cross_entropy_sum, model_config
+    from tessera.models import cross_entropy_sum
+
+    with _one_thread_model(preset) as (cfg, model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, cfg.vocab_size, (rows, seq))
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.thread_time()
+            s, n = cross_entropy_sum(model(x), x)
+            (s / n).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.thread_time() - t0)
+        return cfg.flops_per_token(seq) * rows * seq / min(times[1:])  # CPU seconds: load does not count
+
+
+@contextlib.contextmanager
+def _one_thread_model(preset: str):
+    """(config, seeded reference model) of ``preset``, with torch on one thread (as a rank runs)."""
+    from tessera.models import Transformer, model_config
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cfg = model_config(preset)
         torch.manual_seed(0)
-        model = Transformer(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, cfg.vocab_size, (rows, seq))
-        times = []
-        for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            s, n = cross_entropy_sum(model(x), x)
-            (s / n).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-        return cfg.flops_per_token(seq) * rows * seq / min(times[1:])  # the least disturbed step
+        yield cfg, Transformer(cfg)
     finally:
         torch.set_num_threads(before)
 
 
+def layer_call_seconds(splits: int = 4, rounds: int = 5) -> float:
+    """Fixed CPU seconds of one layer's forward and backward on one micro-batch: the reference step run
+    as ``splits`` micro-batches (gradient accumulation) against one, the difference spread over the
+    extra passes through its layers and its embedding / head (counted as one more layer)."""
+    from tessera.models import cross_entropy_sum
+
+    preset, rows, seq = REFERENCE
+    with _one_thread_model(preset) as (cfg, model):
+        x = torch.randint(0, cfg.vocab_size, (rows, seq))
+        best = {1: float("inf"), splits: float("inf")}
+        for _ in range(rounds + 1):  # alternate, so that a change in the machine's load hits both alike
+            for k in best:
+                t0 = time.thread_time()
+                for part in x.chunk(k):
+                    s, _ = cross_entropy_sum(model(part), part)
+                    s.backward()
+                model.zero_grad(set_to_none=True)
+                best[k] = min(best[k], time.thread_time() - t0)
+        return max(0.0, best[splits] - best[1]) / ((splits - 1) * (cfg.n_layers + 1))
+
+
+def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float,
+                                 layer_call_s: float = 0.0) -> float:
+    """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
+    per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
+    kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
+    save, so the time model charges them by those bytes."""
+    from tessera.models import model_config
+    from tessera.planner.catalog import from_model_config
+    from tessera.planner.estimate import activation_bytes_per_step
+    from tessera.planner.flops import model_flops
+    from tessera.planner.layout import Layout
+    from tessera.planner.memory import model_state_bytes
+
+    preset, rows, seq = REFERENCE
+    cfg = model_config(preset)
+    spec = from_model_config(preset, cfg)
+    measured = cfg.flops_per_token(seq) * rows * seq / step_flops_alone  # the step's seconds
+    update = 2 * model_state_bytes(spec.num_params(), zero_stage=0, dp=1, precision="fp32")["total"]
+    rest = (measured - model_flops(spec, rows * seq, seq) / matmul_flops - update / hbm_bytes_per_s
+            - layer_call_s * (spec.layers + 1))
+    acts = activation_bytes_per_step(spec, Layout(micro_batch=rows), rows, seq, precision="fp32")
+    return max(0.0, rest) / acts
+
+
 def calibrate(world: int = 2) -> dict:
-    """This machine's numbers in the form ``planner.local.local_gpu`` takes: ``peak_flops`` (a 512³
-    matmul), ``step_flops`` (a reference-model training step run on all ``world`` ranks at once, so that
-    cores the ranks share count; it sets the compute efficiency), ``alpha_s`` and ``bytes_per_s`` (gloo
-    ring all-reduce on ``world`` ranks); ``step_flops_alone`` is the same step in one process, for
-    single-rank plans."""
+    """This machine's numbers in the form ``planner.local.local_gpu`` takes: ``peak_flops`` (the
+    reference layer's matmuls), ``step_flops_alone`` (a reference training step in one process) and
+    ``step_flops`` (the same on all ``world`` ranks at once: how much ranks sharing cores slow each other),
+    ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
+    ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``collective_sync_s``
+    (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
+    layer's fixed cost per micro-batch)."""
+    from tessera.planner.comm_model import Link, all_reduce_s
+    from tessera.planner.local import DEFAULT_LOCAL
+
     start = time.perf_counter()
-    peak = matmul_flops()
-    alone = training_step_flops()
-    alpha, beta, rows, step = allreduce_alpha_beta(world)
+    peak = layer_matmul_flops()
+    alone = training_step_flops(*REFERENCE)
+    calls = layer_call_seconds()
+    alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
+    sync = max(0.0, interleaved - all_reduce_s(SYNC_BYTES, world, Link(alpha, beta)))
+    hbm = DEFAULT_LOCAL["hbm_bytes_per_s"]
     return {"peak_flops": peak, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
-            "bytes_per_s": beta, "ranks": world, "cores": os.cpu_count() or 1,
+            "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
+            "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
+            "elementwise_s_per_byte": elementwise_seconds_per_byte(alone, peak, hbm, calls), "layer_call_s": calls,
+            "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
             "seconds_taken": time.perf_counter() - start}

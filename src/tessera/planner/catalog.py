@@ -36,6 +36,14 @@ class GpuSpec:
     host_adam_params_per_s: float = 2e9  # CPU Adam rate when the optimizer is offloaded
     usable_fraction: float = 0.92  # of memory_bytes, the rest is context, allocator slack, fragmentation
     overlap: float = 1.0  # share of compute that data-parallel collectives can hide behind (0 on shared CPU cores)
+    # non-matmul kernels' seconds per byte of activations saved; 0: compute_efficiency covers them (GPUs)
+    elementwise_s_per_byte: float = 0.0
+    # exposed start-up of each blocking collective issued between compute segments, beyond α (the ranks'
+    # arrival skew, waking the waiting rank); 0 where collectives queue asynchronously on a stream
+    collective_sync_s: float = 0.0
+    # fixed cost of one layer's forward and backward on one micro-batch, whatever its size (kernel
+    # dispatch, autograd bookkeeping); 0 where launches overlap execution (GPUs)
+    layer_call_s: float = 0.0
 
 
 GPUS: dict[str, GpuSpec] = {

@@ -9,14 +9,18 @@ synchronisation, and the optimizer update.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
 from tessera.planner.flops import bubble_fraction, model_flops, recompute_flops
 from tessera.planner.memory import (activation_bytes_per_layer, embedding_bytes, inflight_microbatches,
-                                    llama_activation_bytes_per_layer, logits_bytes, model_state_bytes)
+                                    last_stage_inflight, llama_activation_bytes_per_layer, logits_bytes,
+                                    model_state_bytes)
 
 ELEM_BYTES = {"mixed": 2, "fp32": 4}
+BUCKET_BYTES = 25 * 2**20  # data-parallel gradient buckets (DDP, ZeRO-1/2) of tessera and PyTorch
 
 
 @dataclass
@@ -50,8 +54,16 @@ def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
     kw = dict(tp=layout.tp, sequence_parallel=layout.sp, recompute=layout.recompute)
     if spec.arch == "gpt":
         return activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads, **kw) * elem / 2
-    return llama_activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads,
-                                            spec.kv_heads, spec.ffn, elem_bytes=elem, **kw)
+    dense = llama_activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads,
+                                             spec.kv_heads, spec.ffn, elem_bytes=elem, **kw)
+    if spec.experts == 1 or layout.recompute == "full":
+        return dense
+    # an MoE layer's FFN, per token: each of its k expert rows keeps the gathered input row, the SwiGLU's
+    # four f-wide tensors and the returned output row (weighted by its gate), instead of the dense 4f;
+    # the router keeps fp32 logits, probabilities and log-sum-exp inputs (3E)
+    tokens = seq_local * layout.micro_batch
+    moe = elem * spec.top_k * (4 * spec.ffn + 2 * spec.hidden) + 4 * 3 * spec.experts
+    return dense + spec.moe_fraction * tokens * (moe - elem * 4 * spec.ffn) / layout.tp
 
 
 def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, optimizer: str,
@@ -67,18 +79,22 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
                                precision=precision, optimizer=optimizer)
         states = {k: states[k] + ex[k] for k in states}
     host = 0.0
-    if layout.offload:
-        host, states["optimizer"] = states["optimizer"], 0.0
+    if layout.offload:  # the host runs the update: optimizer states there, and in fp32 training (no
+        # master copy among the optimizer states) an fp32 copy of the parameter shard to update
+        master = 4 * (dense + expert) / shard if precision == "fp32" else 0.0
+        host, states["optimizer"] = states["optimizer"] + master, 0.0
     m = layout.microbatches(global_batch)
     seq_local = seq // layout.cp
-    inflight = inflight_microbatches(layout.schedule, layout.pp, m, layout.virtual_stages) if first else (
-        float(m) if layout.schedule == "gpipe" else 1.0)
+    inflight = (inflight_microbatches if first else last_stage_inflight)(layout.schedule, layout.pp, m,
+                                                                         layout.virtual_stages)
     acts = _layer_activations(spec, layout, seq_local, elem) * spec.layers / layout.pp * inflight
     if first:
         acts += inflight * embedding_bytes(seq_local, layout.micro_batch, spec.hidden, tp=layout.tp,
                                            sequence_parallel=layout.sp, dropout=spec.arch == "gpt")
-    if last:
-        acts += logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp, elem_bytes=elem)
+    if last:  # the loss's saved logits, for every micro-batch whose backward has not run
+        last_inflight = last_stage_inflight(layout.schedule, layout.pp, m, layout.virtual_stages)
+        acts += min(last_inflight, inflight) * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab,
+                                                            tp=layout.tp, elem_bytes=elem)
     buffers = 0.0
     if layout.zero_stage == 3 and shard > 1:  # this layer's and the prefetched next layer's gathered weights
         buffers += 2 * spec.dense_layer_params() / layout.tp * elem
@@ -100,45 +116,86 @@ def memory_per_rank(spec, layout, global_batch: int, seq: int, precision: str = 
     return max(first, last, key=lambda pair: pair[0]["total"])
 
 
+def activation_bytes_per_step(spec, layout, global_batch: int, seq: int, precision: str = "mixed") -> float:
+    """Bytes one rank's layers save for backward over a whole step (every micro-batch, not the in-flight
+    peak), without recomputation: what its non-matmul kernels write and read back, as the time model's
+    elementwise term (recomputation saves memory, not these kernels: see ``step_time``)."""
+    elem = ELEM_BYTES[precision]
+    layout = dataclasses.replace(layout, recompute="none")
+    seq_local = seq // layout.cp
+    per_mb = _layer_activations(spec, layout, seq_local, elem) * spec.layers / layout.pp
+    per_mb += logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
+                           elem_bytes=elem) / layout.pp
+    return layout.microbatches(global_batch) * per_mb
+
+
 def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "mixed",
               optimizer: str = "adam") -> tuple[dict, float]:
-    """(seconds by part, total seconds) of one optimizer step."""
+    """(seconds by part, total seconds) of one optimizer step.
+
+    Compute: matmul FLOPs at peak × efficiency, plus the non-matmul kernels at ``elementwise_s_per_byte``
+    per byte of activations saved and ``layer_call_s`` per layer and micro-batch (both 0 for catalogue
+    GPUs, where the efficiency covers them; calibrated on CPU, where norms, SwiGLU, softmax and residual
+    adds take a third of a step, a TP rank still runs the replicated ones in full, and every rank pays
+    each kernel's dispatch however few tokens or how narrow a slice it computes). Every blocking
+    collective on the critical path costs its α–β time plus ``collective_sync_s`` (the exposed start-up
+    of a collective issued between compute segments)."""
     elem = ELEM_BYTES[precision]
     links = cm.axis_links(gpu, layout)
+    sync = gpu.collective_sync_s
     m = layout.microbatches(global_batch)
     tokens = global_batch * seq
     seq_local = seq // layout.cp
     layers_here = spec.layers / layout.pp
     flops = model_flops(spec, tokens, seq) + recompute_flops(spec, tokens, seq, layout.recompute)
-    compute = flops / layout.world / (gpu.peak_flops * gpu.compute_efficiency)
-    # tensor parallel: 2 all-reduces forward, 2 backward per layer (as AG + RS with SP: same bytes);
-    # 2 more when full recomputation re-runs the forward. On the critical path (nothing to overlap).
+    # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
+    rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
+    elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
+                                                                                 precision)
+    calls = rerun * gpu.layer_call_s * m * (layers_here + 1)  # + 1: the embedding, or the head and loss
+    compute = (flops / layout.world / gpu.peak_flops + elementwise + calls) / gpu.compute_efficiency
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
-    tp_calls = 4 + (2 if layout.recompute == "full" else 0)
-    tp = layers_here * m * tp_calls * cm.all_reduce_s(act_bytes, layout.tp, links["tp"])
-    if layout.sp:  # each all-reduce is an all-gather + a reduce-scatter (two latencies, same bytes), and the
-        # backward re-gathers the sequence-sharded inputs of the two column-parallel regions (Megatron-LM)
-        gather = cm.all_gather_s(act_bytes, layout.tp, links["tp"])
-        tp = layers_here * m * (tp_calls * 2 + 2) * gather
+    tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     # context parallel: keys and values gathered forward, gathered again and reduce-scattered backward
+    # (ring attention: 3cp − 2 blocking shifts per layer)
     kv_bytes = 2 * layout.micro_batch * seq * spec.head_dim * spec.kv_heads / layout.tp * elem
     cp = layers_here * m * 3 * cm.all_gather_s(kv_bytes, layout.cp, links["cp"])
-    # expert parallel: dispatch and combine all-to-all, forward and backward
+    if layout.cp > 1:
+        cp += layers_here * m * (3 * layout.cp - 2) * sync
+    # expert parallel: per MoE layer the count exchange, dispatch and combine all-to-all forward and backward
     ep = 0.0
-    if spec.experts > 1:
-        ep = layers_here * m * 4 * cm.all_to_all_s(act_bytes * spec.top_k, layout.ep, links["ep"])
+    if spec.experts > 1 and layout.ep > 1:
+        moe_layers = layers_here * spec.moe_fraction
+        ep = moe_layers * m * (4 * cm.all_to_all_s(act_bytes * spec.top_k, layout.ep, links["ep"]) + 5 * sync)
     bubble = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
     stage = compute + tp + cp + ep
     pipeline = stage / (1.0 - bubble)
     p2p = 0.0
     if layout.pp > 1:
         sent = act_bytes / (layout.tp if layout.sp else 1)
-        p2p = 2 * (m + layout.pp - 1) * layout.virtual_stages * cm.p2p_s(sent, links["pp"])
+        p2p = 2 * (m + layout.pp - 1) * layout.virtual_stages * (cm.p2p_s(sent, links["pp"]) + sync)
     dp_exposed, optim, offload = _data_parallel_and_update(spec, layout, gpu, links["dp"], compute, m, elem,
                                                            precision, optimizer)
     parts = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "bubble": pipeline - stage, "pp_p2p": p2p,
              "dp_exposed": dp_exposed, "optimizer": optim, "offload": offload}
     return parts, pipeline + p2p + dp_exposed + optim + offload
+
+
+def _tensor_parallel_s(layout, link, sync: float, m: int, layers_here: float, seq_local: int,
+                       act_bytes: float) -> float:
+    """Tensor-parallel collectives of one step, all on the critical path: 2 all-reduces forward, 2
+    backward per layer (as AG + RS with SP: same bytes); 2 more when full recomputation re-runs the
+    forward; around the layers, the embedding's forward and the head's backward all-reduce and the
+    loss's 3 per-token reductions."""
+    if layout.tp == 1:
+        return 0.0
+    calls = 4 + (2 if layout.recompute == "full" else 0)
+    loss = 3 * (cm.all_reduce_s(layout.micro_batch * seq_local * 4, layout.tp, link) + sync)
+    if layout.sp:  # each all-reduce is an all-gather + a reduce-scatter (two latencies, same bytes), and
+        # the backward re-gathers the sequence-sharded inputs of the two column-parallel regions
+        gather = cm.all_gather_s(act_bytes, layout.tp, link) + sync
+        return m * ((layers_here * (calls * 2 + 2) + 4) * gather + loss)
+    return m * ((layers_here * calls + 2) * (cm.all_reduce_s(act_bytes, layout.tp, link) + sync) + loss)
 
 
 def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precision, optimizer):
@@ -148,12 +205,17 @@ def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precisi
     params = dense + expert  # experts sync over fewer ranks; the same bytes move, so count them together
     grad_bytes = params * elem
     window = compute * 2.0 / 3.0 / m * gpu.overlap  # the last micro-batch's backward hides gradient buckets
+    # one blocking start-up per 25 MB bucket (ZeRO-3: per unit, a block or the root, and use)
+    syncs = math.ceil(grad_bytes / BUCKET_BYTES) * gpu.collective_sync_s if n > 1 else 0.0
     if layout.zero_stage == 0:
-        exposed = max(0.0, cm.all_reduce_s(grad_bytes, n, link) - window)
+        exposed = max(0.0, cm.all_reduce_s(grad_bytes, n, link) + syncs - window)
     elif layout.zero_stage in (1, 2):  # reduce-scatter gradients, all-gather updated parameters after the step
-        exposed = max(0.0, cm.reduce_scatter_s(grad_bytes, n, link) - window) + cm.all_gather_s(grad_bytes, n, link)
+        exposed = (max(0.0, cm.reduce_scatter_s(grad_bytes, n, link) + syncs - window)
+                   + cm.all_gather_s(grad_bytes, n, link) + syncs)
     else:  # gather weights for forward and backward, reduce-scatter gradients, every micro-batch; prefetched
         z3 = m * (2 * cm.all_gather_s(grad_bytes, n, link) + cm.reduce_scatter_s(grad_bytes, n, link))
+        units = spec.layers / layout.pp + 1
+        z3 += m * 3 * units * gpu.collective_sync_s if n > 1 else 0.0
         exposed = max(0.0, z3 - compute * gpu.overlap)
     shard = params / (n if layout.zero_stage >= 1 else 1)
     state = model_state_bytes(shard, zero_stage=0, dp=1, precision=precision, optimizer=optimizer)
@@ -184,24 +246,38 @@ def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixe
     dp: DDP all-reduces the gradients once (G = local parameters × element size); ZeRO-1/2 reduce-scatter
     them and all-gather the updated parameters (2G); ZeRO-3 gathers every unit's parameters for forward
     and again for backward and reduce-scatters its gradients on every micro-batch (3G·m: the ZeRO
-    paper's 1.5× of DDP's traffic; an engine that keeps the root unit gathered from forward to backward
-    saves one gather of the embedding and head).
+    paper's 1.5× of DDP's traffic, less one gather of the root unit, which stays gathered from forward
+    to backward: with tessera's block wrap policy it holds only the final norm). Expert gradients are reduced over their dp·cp/ep replicas
+    only, so with ep = dp·cp the dense gradients alone cross the dp axis.
     tp: per layer and micro-batch, 2 all-reduces forward and 2 backward of the activation a = b·s·h·e;
     with sequence parallelism each becomes an all-gather plus a reduce-scatter (twice the payload count,
     the same wire traffic), and, as Megatron-LM does, the backward re-gathers the sequence-sharded input of
-    both column-parallel blocks instead of saving it gathered (2 more all-gathers). Around the layers: the vocab-parallel embedding's forward all-reduce and the
-    column-parallel head's backward all-reduce (2a; 4a as gathers/scatters with SP), the vocab-parallel
-    cross-entropy's three fp32 per-token reductions (max, sum of exponentials, target logit), and with
-    SP the all-reduce of the norm weights' gradients, which each rank saw for its slice of the sequence.
-    Pipeline sends, context- and expert-parallel traffic are in the time model only.
+    both column-parallel blocks instead of saving it gathered (2 more all-gathers). Around the layers: the
+    vocab-parallel embedding's forward all-reduce and the column-parallel head's backward all-reduce
+    (2a; 4a as gathers/scatters with SP), the vocab-parallel cross-entropy's three fp32 per-token
+    reductions (max, sum of exponentials, target logit), and with SP the all-reduce of the norm weights'
+    gradients, which each rank saw for its slice of the sequence.
+    pp: per micro-batch, each of the v·p − 1 stage boundaries carries the activation forward and its
+    gradient backward (b·s·h·e, /t with SP); a rank is at 2(vp − 1)/p boundary ends on average, and the
+    ledger counts a message at both ends (send and receive): 4m(vp − 1)/p · a.
+    cp (ring attention): per layer and micro-batch, this rank's k and v block (2·b·(s/cp)·kv·e/t) goes
+    cp − 1 steps round the ring forward and again backward, where a float32 dk/dv accumulator travels
+    cp steps with it; counted at both ends.
+    ep: per MoE layer and micro-batch, dispatch and combine all-to-alls forward and backward of the
+    b·s·k token rows (no token dropped; capacity drops make the measured figure smaller).
     """
     elem = ELEM_BYTES[precision]
     m = layout.microbatches(global_batch)
     dense, expert = _stage_params(spec, layout, True, layout.pp == 1)
-    grad = (dense + expert) * elem
-    out = {"dp": 0.0, "tp": 0.0}
-    if layout.dp * layout.cp > 1:
-        out["dp"] = {0: grad, 1: 2 * grad, 2: 2 * grad, 3: 3 * grad * m}[layout.zero_stage]
+    # experts are replicated over dp·cp/ep ranks only: with ep = dp·cp nothing reduces their gradients
+    replicas = layout.dp * layout.cp
+    grad = (dense + (expert if replicas // layout.ep > 1 else 0.0)) * elem
+    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
+    if replicas > 1:
+        # ZeRO-3's root unit (tessera's block policy leaves only the final norm in it) stays gathered from
+        # forward to backward: one gather fewer per micro-batch
+        root = spec.hidden * elem if layout.pp == 1 else 0.0
+        out["dp"] = {0: grad, 1: 2 * grad, 2: 2 * grad, 3: (3 * grad - root) * m}[layout.zero_stage]
     if layout.tp > 1:
         tokens = layout.micro_batch * (seq // layout.cp)
         act = tokens * spec.hidden * elem
@@ -210,4 +286,15 @@ def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixe
         around = 2 * act * per_collective + 3 * tokens * 4
         norms = (spec.layers / layout.pp * spec.norm_params() + spec.hidden) * elem if layout.sp else 0.0
         out["tp"] = m * (layers + around) + norms
+    seq_local = seq // layout.cp
+    act = layout.micro_batch * seq_local * spec.hidden * elem / (layout.tp if layout.sp else 1)
+    if layout.pp > 1:
+        out["pp"] = 4 * m * (layout.virtual_stages * layout.pp - 1) / layout.pp * act
+    if layout.cp > 1:
+        kv = 2 * layout.micro_batch * seq_local * spec.kv_heads * spec.head_dim / layout.tp * elem
+        shifts = 2 * (layout.cp - 1) * kv + layout.cp * kv * 4 / elem
+        out["cp"] = 2 * m * spec.layers / layout.pp * shifts
+    if layout.ep > 1:
+        rows = layout.micro_batch * seq_local * spec.top_k * spec.hidden * elem
+        out["ep"] = 4 * m * spec.layers * spec.moe_fraction / layout.pp * rows
     return out

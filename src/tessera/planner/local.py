@@ -8,7 +8,7 @@ from tessera.planner.search import SearchSpace, search
 
 # Orientation values for a small CPU box (DESIGN.md §9: a 100 MB gloo all-reduce on 2 ranks takes
 # 60–100 ms); `tessera plan --calibrate` measures the real ones.
-DEFAULT_LOCAL = {"peak_flops": 5e10, "alpha_s": 1e-4, "bytes_per_s": 1.5e9}
+DEFAULT_LOCAL = {"peak_flops": 5e10, "alpha_s": 1e-4, "bytes_per_s": 1.5e9, "hbm_bytes_per_s": 1e10}
 
 
 def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: float = 8 * 2**30) -> GpuSpec:
@@ -16,11 +16,16 @@ def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: fl
     c = {**DEFAULT_LOCAL, **(calibration or {})}
     # a training step's rate, not a big matmul's; measured with every rank busy, or alone for one rank
     step = c.get("step_flops_alone" if world_size == 1 else "step_flops", c.get("step_flops"))
-    efficiency = min(1.0, step / c["peak_flops"]) if step else 1.0
+    elementwise = c.get("elementwise_s_per_byte", 0.0)
+    if elementwise and c.get("step_flops_alone"):  # matmuls and non-matmul kernels charged apart: the
+        # efficiency is only how much ranks running at once slow each other down
+        efficiency = min(1.0, step / c["step_flops_alone"])
+    else:  # older calibrations: everything that is not a matmul folded into one efficiency
+        efficiency = min(1.0, step / c["peak_flops"]) if step else 1.0
     cores, measured = c.get("cores"), c.get("ranks")
     if cores and measured and world_size > 1:  # ranks share the cores: more ranks than cores run slower
         efficiency *= min(1.0, cores / world_size) / min(1.0, cores / measured)
-    hbm = c.get("hbm_bytes_per_s", 1e10)
+    hbm = c["hbm_bytes_per_s"]
     # gloo's collectives run on the same cores as the compute, so nothing overlaps; "offloading" to host
     # memory on a CPU is the same memory: an update as costly as on the device, plus two copies
     return GpuSpec("local-cpu", peak_flops=c["peak_flops"], memory_bytes=memory_bytes,
@@ -28,7 +33,8 @@ def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: fl
                    intra_bytes_per_s=c["bytes_per_s"],
                    inter_bytes_per_s=c["bytes_per_s"], gpus_per_node=max(1, world_size),
                    intra_alpha_s=c["alpha_s"], inter_alpha_s=c["alpha_s"], compute_efficiency=efficiency,
-                   usable_fraction=1.0)
+                   usable_fraction=1.0, elementwise_s_per_byte=elementwise,
+                   collective_sync_s=c.get("collective_sync_s", 0.0), layer_call_s=c.get("layer_call_s", 0.0))
 
 
 def choose_local_layout(model_cfg, world_size: int, global_batch: int, seq: int, *,

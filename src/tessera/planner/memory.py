@@ -108,6 +108,24 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
+def last_stage_inflight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations the last pipeline stage holds at its peak, in units of one
+    micro-batch through that stage's layers: GPipe all m; 1F1B and ZB-H1 one (each forward is followed
+    by its backward); interleaved 1F1B ((v−1)·p + 1)/v, since the last rank runs (v−1)·p warm-up
+    forwards of its earlier chunks before its first backward (Megatron-LM's warm-up count, whose first
+    rank gives the p + (p−1)/v of ``inflight_microbatches``)."""
+    if pp == 1 or schedule == "none":
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule in ("1f1b", "zb-h1"):
+        return 1.0
+    if schedule == "interleaved":
+        chunks = min((virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
+        return chunks / virtual_stages
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
 def logits_bytes(seq: int, micro_batch: int, hidden: int, vocab: int, *, tp: int = 1, elem_bytes: int = 2) -> float:
     """The output layer (cf. Korthikanti §4.3): the final norm's input, normalised value and output (3·e·sbh,
     /t with TP as Megatron shards them with SP) and the fp32 log-softmax the cross-entropy keeps (4·sbV/t)."""

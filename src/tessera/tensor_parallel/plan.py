@@ -203,7 +203,8 @@ def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParalle
     missing = sorted(set(plan) - matched)
     if missing:
         raise ValueError(f"tensor-parallel plan entries matched no module: {', '.join(missing)}")
-    if tied and isinstance(getattr(model, "output", None), VocabParallelHead):
+    if (tied and isinstance(getattr(model, "output", None), VocabParallelHead)
+            and getattr(model, "tok_embeddings", None) is not None):  # a last pipeline stage has no embedding
         model.output.weight = model.tok_embeddings.weight  # same rows on each rank: still one tensor
     model.tensor_parallel = (group, cfg)  # read by clip_grad_norm_ and the trainer
     return model

@@ -51,10 +51,13 @@ class RunConfig:
     nproc: int = 2  # local ranks to spawn when not launched by torchrun
     device: str = "cpu"  # "cpu", "cuda" or "auto" (an accelerator when present)
     progress: bool = True  # progress bar on rank 0
+    max_restarts: int = 0  # elastic restarts of the local ranks tessera spawns (under torchrun: --max-restarts)
 
     def validate(self) -> RunConfig:
         if self.nproc < 1:
             raise ConfigError(f"run.nproc must be at least 1, got {self.nproc}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"run.max_restarts must be 0 or more, got {self.max_restarts}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"run.device must be 'cpu', 'cuda' or 'auto', got '{self.device}'")
         if "/" in self.name or self.name in (".", ".."):
@@ -78,9 +81,17 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     save_final: bool = True  # model + optimizer + data position at the end, via torch.distributed.checkpoint
-    folder: str = "checkpoint"  # inside the run folder
+    folder: str = "checkpoint"  # inside the run folder; each checkpoint is a step_<n> folder in it
+    every: int = 0  # also save every this many steps (0: only the final one)
+    keep: int = 2  # periodic checkpoints kept (the newest); the final one is always kept
+    resume: str = ""  # "": start fresh; "auto": newest checkpoint of this run's folder, if any; or a path
 
     def validate(self) -> CheckpointConfig:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError(f"checkpoint.every must be 0 or more and checkpoint.keep at least 1, got "
+                              f"{self.every} and {self.keep}")
+        if "/" in self.folder or self.folder in ("", ".", ".."):
+            raise ConfigError(f"checkpoint.folder '{self.folder}' must be a plain folder name")
         return self
 
 
@@ -148,6 +159,10 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
         )
     validate_memory_savers(cfg)
     validate_strategies(cfg, dp)
+    if cfg.checkpoint.resume == "auto" and not cfg.run.name:
+        raise ConfigError("checkpoint.resume=auto needs run.name, so that a restarted job finds its run folder")
+    if cfg.checkpoint.resume not in ("", "auto") and not Path(cfg.checkpoint.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume: no checkpoint folder at {cfg.checkpoint.resume}")
     return cfg
 
 

@@ -19,6 +19,23 @@ class MetricsWriter:
         self.train: list[dict] = []
         self.evals: list[dict] = []
 
+    def truncate_after(self, step: int) -> None:
+        """Keep only the records up to ``step`` (a run resumed from a checkpoint at ``step`` repeats
+        what the failed attempt logged after it) and continue appending."""
+        self._file.close()
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by the failure
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(record)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self.train = [r for r in kept if r.get("kind") != "eval"]
+        self.evals = [r for r in kept if r.get("kind") == "eval"]
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()  # a killed run keeps every line written so far

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.errors import ConfigError
+from tessera.grad_norm import clip_pieces, param_pieces
 
 
 @dataclass
@@ -70,26 +70,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
 
 
-@torch.no_grad()
 def clip_grad_norm(params, max_norm: float, sharded_over: list[CommGroup] = ()) -> float:
     """Clip gradients to a global L2 norm and return the norm before clipping.
 
     ``sharded_over`` lists the groups across which *different* gradient pieces live (e.g. tensor- or
     pipeline-parallel peers); their squared norms are summed so every element counts exactly once.
-    Replicated gradients (plain data parallelism) need no communication at all.
+    Replicated gradients (plain data parallelism) need no communication at all. (The general rule, with
+    parameters replicated along some of those axes, is :mod:`tessera.grad_norm`.)
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    axes = {group.axis: group for group in sharded_over}
+    pieces = param_pieces(params, lambda p: axes)
+    if not pieces:
         return 0.0
-    device = grads[0].device
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
-    for group in sharded_over:
-        comm.all_reduce(sq, group)
-    norm = sq.sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-    return float(norm)
+    return clip_pieces(pieces, max_norm, axes, pieces[0].grad.device)

@@ -1,26 +1,33 @@
-"""The trainer's adapter to pipeline parallelism: one optimizer step of a pipelined Transformer (pp x dp).
+"""The trainer's adapter to pipeline parallelism: one optimizer step of a pipelined Transformer
+(pp × dp × tp, with ZeRO-1 over dp optionally).
 
 ``PipelineStep`` mirrors what ``tessera.train.step`` does for an unpipelined model, with the same token
 weighting (every micro-batch's summed token loss divided by the global token count over all micro-batches
 and data-parallel ranks), so a pipelined run computes the same losses and gradients as one process.
+Under tp each stage is split by Megatron 1D tensor parallelism (+SP) after the pipeline split, and the
+last stage's loss is vocabulary-parallel.
 
 Per step, on every rank (collectives in the same order everywhere)::
 
-    result = ps.forward_backward(batches)      # pipeline step, tied grads summed, dp all-reduce
+    result = ps.forward_backward(batches)      # pipeline step, tied grads summed, dp reduction
     norm = ps.clip_grad_norm(max_norm)         # PipeDream async: the norm its in-schedule updates clipped
     if not ps.steps_inside:                    # flush schedules and 2BW: the trainer updates
-        ps.optimizer.step()
-    scheduler.step(); ps.optimizer.zero_grad(set_to_none=True)
+        ps.step()                              # the optimizer, or ZeRO-1's sharded update + all-gather
+    scheduler.step(); ps.zero_grad()
 
-Communication: forward and backward p2p on "pp" (executor.py); after the step, one exchange of the tied
-embedding gradient between the first and last pp rank, this stage's gradients summed over "dp" in
-flattened buckets, the loss broadcast from the last stage over "pp" and summed over "dp"; clipping sums
-squared norms over "pp". Shapes: x_BS, y_BS token ids; activations activation_BSD between stages.
+Communication: forward and backward p2p on "pp" (executor.py; the pp group's ranks share a tp
+coordinate); tp collectives inside each stage; after the step, one exchange of the tied embedding
+gradient between the first and last pp rank, this stage's gradients summed over "dp" in flattened
+buckets (ZeRO-1: reduce-scattered, then the updated slices all-gathered), the loss broadcast from the
+last stage over "pp" and summed over "dp"; clipping (``tessera.grad_norm``) sums one float over "pp"
+and one over "tp" (and "dp" under ZeRO-1). Shapes: x_BS, y_BS token ids; activation_BsD between stages
+(s = S, or S/tp under SP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 from typing import Iterator
 
@@ -31,11 +38,16 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.errors import ConfigError
-from tessera.models import cross_entropy_sum
+from tessera.grad_norm import clip_pieces, param_pieces
+from tessera.parallelize import norm_axes, sharded_axes
 from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
+from tessera.precision import PrecisionConfig
 from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
-from tessera.train.optim import OptimConfig, build_optimizer
+from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory, param_groups
 from tessera.train.step import IGNORE_INDEX, StepResult, global_token_count
+from tessera.train.strategies import loss_function
+from tessera.zero import ZeroConfig
+from tessera.zero.build import shard_model
 
 BUCKET_BYTES = 25 * 2**20  # gradients flattened into all-reduce buckets of at most this size
 
@@ -50,13 +62,18 @@ class PipelineStep:
     """
 
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
-                 optim_cfg: OptimConfig):
+                 optim_cfg: OptimConfig, tensor_parallel=None, zero=None):
         self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
+        self.topology = topology
         self.pp: CommGroup = topology.group("pp")
         self.dp: CommGroup = topology.group("dp")
-        if self.pp.size * self.dp.size != topology.world_size:
-            raise ConfigError(f"pipeline parallelism composes only with data parallelism here, but pp="
-                              f"{self.pp.size} x dp={self.dp.size} != {topology.world_size} ranks.")
+        self.tp: CommGroup = topology.group("tp")
+        if self.pp.size * self.dp.size * self.tp.size != topology.world_size:
+            raise ConfigError(f"pipeline parallelism composes with data and tensor parallelism here, but pp="
+                              f"{self.pp.size} x dp={self.dp.size} x tp={self.tp.size} != "
+                              f"{topology.world_size} ranks.")
+        sp = bool(tensor_parallel is not None and tensor_parallel.sequence_parallel and self.tp.size > 1)
+        self._loss_parts = loss_function(topology)  # vocabulary-parallel under tp
         tied = bool(getattr(model.cfg, "tie_embeddings", False))
         if tied and cfg.schedule == "pipedream" and self.pp.size > 1:
             raise ConfigError("pipeline.schedule 'pipedream' cannot keep tied embeddings equal (the first and "
@@ -65,10 +82,21 @@ class PipelineStep:
         self.timeline = Timeline(self.pp.rank, enabled=cfg.timeline)
         self._divisor = 1.0  # loss_fn divides each micro-batch's summed loss by this (the global tokens)
         self._sums: list[torch.Tensor] = []  # summed token loss per micro-batch, on the last stage's rank
+        prepare = None if self.tp.size == 1 else (lambda stage: _tensor_parallel_stage(stage, self.tp, tensor_parallel))
         self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
-                                             on_step=self._on_step if self.steps_inside else None)
+                                             on_step=self._on_step if self.steps_inside else None,
+                                             prepare_stage=prepare, seq_split=self.tp.size if sp else 1)
         self.module = _rank_module(self.pipe)
-        self.optimizer = build_optimizer(self.module, optim_cfg)
+        self._axes_of = self._param_axes()
+        self.engine = None  # ZeRO-1: a sharded update over dp replaces the optimizer
+        if topology.config.zero_stage == 1:
+            self.engine = shard_model(self.module, param_groups(self.module, optim_cfg),
+                                      optimizer_factory(optim_cfg), topology, 1, zero or ZeroConfig(),
+                                      PrecisionConfig(), self.device, norm_axes=norm_axes(topology, pipeline=True),
+                                      param_axes=self._axes_of)
+            self.optimizer = self.engine.optimizer
+        else:
+            self.optimizer = build_optimizer(self.module, optim_cfg)
         self.last_grad_norm = 0.0  # PipeDream async: the norm before the last in-schedule clipping
 
     # ---- parameters --------------------------------------------------------------------------------
@@ -88,7 +116,7 @@ class PipelineStep:
     # ---- one optimizer step ------------------------------------------------------------------------
 
     def _loss_fn(self, logits_BSV: torch.Tensor, y_BS: torch.Tensor) -> torch.Tensor:
-        s, _ = cross_entropy_sum(logits_BSV, y_BS, ignore_index=IGNORE_INDEX)
+        s, _ = self._loss_parts(logits_BSV, y_BS, ignore_index=IGNORE_INDEX)
         self._sums.append(s.detach().double())
         return s / torch.as_tensor(self._divisor, dtype=s.dtype)
 
@@ -111,7 +139,8 @@ class PipelineStep:
         micro = self._split(batches)
         self.timeline.clear()  # keep the last step only: write_timeline measures it
         tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
-        with tracking:  # every micro-batch in flight at once on this rank counts
+        no_sync = self.engine.no_sync() if self.engine is not None else contextlib.nullcontext()
+        with tracking, no_sync:  # every micro-batch in flight at once on this rank counts
             self.pipe.step(micro)
         if not self.steps_inside:
             self._reduce_grads()
@@ -129,7 +158,11 @@ class PipelineStep:
         return total
 
     def _reduce_grads(self) -> None:
-        """Sum this stage's gradients over "dp", flattened into buckets of at most BUCKET_BYTES."""
+        """Sum this stage's gradients over "dp", flattened into buckets of at most BUCKET_BYTES (ZeRO-1:
+        reduce-scatter each bucket, this rank keeps its slice)."""
+        if self.engine is not None:
+            self.engine.reduce_gradients()
+            return
         if self.dp.size == 1:
             return
         params = list(self.parameters())
@@ -158,34 +191,40 @@ class PipelineStep:
         the embedding counted once) and return the norm before clipping. ``max_norm`` 0 only measures.
         With ``steps_inside`` the updates are done and clipped already (by ``optim_cfg.grad_clip``): this
         returns the last of those norms and communicates nothing (the same on every rank)."""
-        return self.last_grad_norm if self.steps_inside else self._clip(max_norm)
+        if self.steps_inside:
+            return self.last_grad_norm
+        if self.engine is not None:
+            return self.engine.clip_grad_norm(max_norm)[0]
+        return self._clip(max_norm)
+
+    def step(self) -> None:
+        """The optimizer step after ``clip_grad_norm`` (ZeRO-1: update the slices, all-gather over dp)."""
+        (self.engine or self.optimizer).step()
+
+    def zero_grad(self) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> float:
-        counted = [p for p in self._norm_params() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in counted:
-            sq += p.grad.detach().float().pow(2).sum()
-        comm.all_reduce(sq, self.pp)
-        norm = sq.sqrt()
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale.to(p.grad.dtype))
-        return float(norm)
+        """The job-wide norm (``tessera.grad_norm``): stage parameters are split over pp, tp-split
+        weights over tp too; one all-reduce per axis."""
+        pieces = param_pieces(self.parameters(), self._axes_of)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return clip_pieces(pieces, max_norm, norm_axes(self.topology, pipeline=True), self.device, grads)
 
-    def _norm_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradient counts in the norm: all but the last stage's tied head, a copy of the
-        first stage's embedding (same values, same summed gradient)."""
-        sched = self.pipe.schedule
-        skip = set()
-        last = self.pipe.stages.get(sched.n_stages - 1)
-        if self.pipe.tied and last is not None and sched.n_stages > 1:
-            first = self.pipe.stages.get(0)
-            if first is None or first.tok_embeddings.weight is not last.output.weight:
-                skip.add(id(last.output.weight))
-        return [p for p in self.parameters() if id(p) not in skip]
+    def _param_axes(self):
+        """``axes_of(p)``: "pp" for every stage parameter except the tied embedding and head (two
+        copies of one weight on pp ranks 0 and pp-1: replicated, so counted on pp rank 0 only), plus
+        "tp" for tensor-parallel splits."""
+        tp_axes = sharded_axes(self.module, self.topology)
+        sched, tied = self.pipe.schedule, set()
+        first, last = self.pipe.stages.get(0), self.pipe.stages.get(sched.n_stages - 1)
+        if self.pipe.tied and sched.n_stages > 1:
+            tied = {id(m.weight) for m in (first and first.tok_embeddings, last and last.output) if m is not None}
+        return lambda p: tp_axes(p) | (frozenset() if id(p) in tied else frozenset(("pp",)))
 
     # ---- evaluation --------------------------------------------------------------------------------
 
@@ -235,11 +274,27 @@ def _all_reduce_flat(params: list[nn.Parameter], group: CommGroup) -> None:
         g.copy_(reduced)
 
 
+def _tensor_parallel_stage(stage: nn.Module, tp: CommGroup, cfg) -> nn.Module:
+    """Megatron 1D tensor parallelism on one stage module, with the default plan's entries for the
+    parts this stage holds (no embedding on later stages, no norm / head on earlier ones)."""
+    from tessera.tensor_parallel import apply_tensor_parallel, default_plan
+
+    names = [name for name, _ in stage.named_modules() if name]
+    plan = {k: v for k, v in default_plan().items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+    stage = apply_tensor_parallel(stage, tp, cfg, plan)
+    if cfg is not None and cfg.sequence_parallel and stage.tok_embeddings is None:
+        # a later stage receives activation_BsD (s = S/N): its rotary tables must span all S positions
+        stage.register_forward_pre_hook(
+            lambda mod, args: (args[0], torch.arange(args[0].shape[1] * tp.size, device=args[0].device)))
+    return stage
+
+
 def _rank_module(pipe: Pipeline) -> nn.Module:
     """One nn.Module over this rank's stages whose parameter names are the full model's: the stages'
     ``layers`` merged into one ModuleDict, plus the embedding / norm / head where this rank holds them
     (shared, not copied). Checkpoints (DCP) and memory accounting take it as the model."""
     holder = nn.Module()
+    holder.tie_embeddings = pipe.tied  # checkpoints name the last stage's head as the tied embedding
     holder.layers = nn.ModuleDict()
     for s in sorted(pipe.stages):
         stage = pipe.stages[s]

@@ -28,12 +28,15 @@ def first_free(base: Path) -> Path:
 
 
 def resolve_run_dir(cfg, topology: Topology, device: torch.device) -> Path:
-    """Rank 0 picks and creates the folder; the choice is broadcast so every rank uses the same one."""
+    """Rank 0 picks and creates the folder; the choice is broadcast so every rank uses the same one.
+
+    With ``checkpoint.resume = "auto"`` the folder ``<out_dir>/<run.name>`` is reused as it is: a job
+    restarted after a failure continues the run it belongs to."""
     base = Path(cfg.run.out_dir) / (cfg.run.name or default_name(cfg.model_preset, topology))
     world = topology.group("world")
     suffix = torch.zeros((), dtype=torch.int64, device=device)
     if world.rank == 0:
-        chosen = first_free(base)
+        chosen = base if cfg.checkpoint.resume == "auto" else first_free(base)
         chosen.mkdir(parents=True, exist_ok=True)
         suffix.fill_(0 if chosen == base else int(chosen.name.rsplit("-", 1)[1]))
     comm.broadcast(suffix, world, src=0)

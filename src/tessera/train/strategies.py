@@ -11,7 +11,6 @@ import torch
 
 from tessera.models import cross_entropy_sum
 from tessera.topology import Topology
-from tessera.train.optim import clip_grad_norm
 
 
 def loss_function(topology: Topology):
@@ -37,33 +36,17 @@ def shard_batch(batch: tuple[torch.Tensor, torch.Tensor], topology: Topology):
 def clip_gradients(model: torch.nn.Module, max_norm: float, topology: Topology) -> float:
     """Clip to the global norm over the whole job; returns the norm before clipping.
 
-    Under dp × cp every gradient is replicated after reduction, so it needs no communication. Under ep
-    expert gradients differ per ep rank (summed over ep), dense ones are counted once. Under tp the
-    sharded gradients' squares are summed over tp, replicated ones (norm weights) counted once.
+    One rule for every layout (``tessera.grad_norm``): a gradient split along tp (tensor-parallel
+    weights) or ep (experts) adds its squares on every rank of that axis; one replicated along it
+    (norm weights, dense weights under ep, experts under tp) only at coordinate 0; then one all-reduce
+    per split axis. Under dp × cp every gradient is replicated after reduction: no communication.
     """
-    if topology.size("ep") > 1:
-        from tessera.moe import clip_grad_norm_moe
+    from tessera.grad_norm import clip_pieces, param_pieces
+    from tessera.parallelize import norm_axes, sharded_axes
 
-        return float(clip_grad_norm_moe(model, max_norm, topology.group("ep")))
-    if topology.size("tp") > 1:
-        from tessera.tensor_parallel import clip_grad_norm_, grad_norm
-
-        params = list(model.parameters())
-        if max_norm > 0:
-            return float(clip_grad_norm_(params, max_norm, topology.group("tp")))
-        return float(grad_norm(params, topology.group("tp")))
-    return clip_grad_norm(model.parameters(), max_norm)
-
-
-def checkpoint_unsupported(topology: Topology) -> str | None:
-    """Why the final checkpoint cannot be written for this layout yet, or None.
-
-    tp and ep ranks hold different tensors under the same parameter names, which a plain
-    torch.distributed.checkpoint save would treat as one replicated tensor; layout-independent
-    checkpoints (global shapes and offsets) are what issue #7 adds.
-    """
-    for axis, what in (("tp", "tensor-parallel"), ("ep", "expert-parallel")):
-        if topology.size(axis) > 1:
-            return (f"final checkpoint skipped: {what} checkpoints (parallel.{axis}>1) are not supported "
-                    f"yet; set checkpoint.save_final=false to silence this")
-    return None
+    params = list(model.parameters())
+    if not any(p.grad is not None for p in params):
+        return 0.0
+    device = next(p.grad.device for p in params if p.grad is not None)
+    pieces = param_pieces(params, sharded_axes(model, topology))
+    return clip_pieces(pieces, max_norm, norm_axes(topology), device)

@@ -6,6 +6,7 @@ files (metrics, summary, plot), except the checkpoint, which every rank writes i
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ from tessera.models import Transformer
 from tessera.parallelize import data_parallel_group, is_sharded, parallelize
 from tessera.precision import LossScaler
 from tessera.topology import Topology
-from tessera.train.checkpoint import save_checkpoint, save_sharded_checkpoint
+from tessera.checkpoint import prune, step_path
+from tessera.train import resume
+from tessera.train.checkpoint import load_training_state, save_training_state
 from tessera.train.config import JobConfig, save_config
 from tessera.train.data import WindowSampler, eval_windows, load_corpus, make_batch
 from tessera.train.memory import MemoryLedger
@@ -29,7 +32,7 @@ from tessera.train.metrics import MetricsWriter, finite
 from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
 from tessera.train.rundir import resolve_run_dir
 from tessera.train.step import evaluate, forward_backward
-from tessera.train.strategies import checkpoint_unsupported, clip_gradients, loss_function, shard_batch
+from tessera.train.strategies import clip_gradients, loss_function, shard_batch
 
 
 @dataclass
@@ -62,12 +65,15 @@ class Trainer:
         if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
             from tessera.train.pipeline_step import PipelineStep
 
-            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim)
+            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
+                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)  # tp per stage, ZeRO-1 over dp
             self.core = self.model = self.pipe.module
+            self.engine = self.pipe.engine  # ZeRO-1: stepped like any sharded engine (clip, step, zero_grad)
             self.optimizer = self.pipe.optimizer
         else:
             self.model = parallelize(self.core, self.topology, cfg.ddp, zero=cfg.zero, precision=cfg.precision,
-                                     recompute=cfg.checkpointing, param_groups=param_groups(self.core, cfg.optim),
+                                     recompute=cfg.checkpointing,
+                                     param_groups=lambda m: param_groups(m, cfg.optim),  # after tp
                                      make_optimizer=optimizer_factory(cfg.optim),
                                      tensor_parallel=cfg.tensor_parallel, context_parallel=cfg.context_parallel,
                                      device=device)
@@ -93,17 +99,51 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir) if self.is_main else None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
+        self.start_step, self.start_interval, self.val_start = 0, Interval(), None
+        self.resumed: dict = {"resumed_from_step": None, "steps_lost": 0, "restart_count": resume.restart_count()}
+        found = resume.find_resume(cfg.checkpoint.resume, self.checkpoint_folder)
+        if found is not None:
+            self._resume(found)
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.run_dir / self.cfg.checkpoint.folder
+
+    def _resume(self, path: Path) -> None:
+        """Continue from checkpoint ``path``: tensors (resharded if the layout changed), data position,
+        learning-rate schedule, loss scale, the metrics interval in progress and, at the same world size,
+        every rank's random generators — so the run goes on as if it had never stopped."""
+        meta = load_training_state(path, self.core, self.optimizer, self.engine, self.topology)
+        step = int(meta["step"])
+        self.start_step, self.val_start = step, meta.get("val_loss_start")
+        self.start_interval = Interval(**meta.get("interval", {}))
+        self.sampler.load_state_dict(meta["sampler"])
+        for key, value in meta.get("loss_scaler", {}).items():
+            setattr(self.scaler, key, value)
+        resume.set_scheduler_step(self.scheduler, self.optimizer, step)
+        if meta.get("world_size") == self.topology.world_size:
+            resume.restore_rng_state(meta.get("rng"), self.topology.rank, self.device)
+        reached = resume.read_progress(self.run_dir) if self.cfg.checkpoint.resume == "auto" else None
+        self.resumed.update(resumed_from_step=step, resumed_from=str(path),
+                            steps_lost=max(0, (reached or step) - step))
+        if self.metrics and self.cfg.checkpoint.resume == "auto":
+            self.metrics.truncate_after(step)  # the failed attempt's lines after the checkpoint are redone
+        if self.is_main:
+            tqdm.write(f"resuming from {path} at step {step}"
+                       + (f" ({self.resumed['steps_lost']} steps after it are repeated)"
+                          if self.resumed["steps_lost"] else ""), file=sys.stderr)
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg.train
         start = time.perf_counter()
-        val_start = self._validate(0)
-        interval, comm_mark = Interval(), self.ledger.stats()
-        bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (self.is_main and self.cfg.run.progress),
-                   dynamic_ncols=True)
+        resumed = self.start_step and self.val_start is not None
+        val_start = self.val_start if resumed else self._validate(self.start_step)
+        interval, comm_mark = self.start_interval, self.ledger.stats()
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step",
+                   disable=not (self.is_main and self.cfg.run.progress), dynamic_ncols=True)
         val_end, last_loss = val_start, float("nan")
-        for step in range(1, cfg.steps + 1):
+        for step in range(self.start_step + 1, cfg.steps + 1):
             log_now = step % cfg.log_every == 0 or step == cfg.steps
             result, grad_norm, seconds = self._train_step(track=log_now)
             if grad_norm is None:
@@ -122,8 +162,14 @@ class Trainer:
                 interval, comm_mark = Interval(), self.ledger.stats()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 val_end = self._validate(step)
+            if self.is_main:
+                resume.write_progress(self.run_dir, step)
+            every = self.cfg.checkpoint.every
+            if every and step % every == 0 and step < cfg.steps:
+                self._save_checkpoint(step, interval, val_start)
         bar.close()
-        checkpoint = self._save_checkpoint(cfg.steps)
+        checkpoint = (self._save_checkpoint(cfg.steps, Interval(), val_start)
+                      if self.cfg.checkpoint.save_final else None)
         self.timeline = self.pipe.write_timeline(self.run_dir) if self.pipe and self.cfg.pipeline.timeline else {}
         return self._finish(val_start, val_end, last_loss, time.perf_counter() - start, checkpoint)
 
@@ -145,7 +191,7 @@ class Trainer:
         elif self.pipe is not None:
             grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
             if not self.pipe.steps_inside:  # PipeDream updates inside the pipeline, after each backward
-                self.optimizer.step()
+                self.pipe.step()  # the optimizer, or ZeRO-1's sharded update + all-gather over dp
         else:
             grad_norm = clip_gradients(self.core, self.cfg.optim.grad_clip, self.topology)
             self.optimizer.step()
@@ -154,6 +200,8 @@ class Trainer:
             self.last_memory = self.memory.snapshot(peak_memory_bytes(self.device))
         if self.engine is not None:
             self.engine.zero_grad()
+        elif self.pipe is not None:
+            self.pipe.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
@@ -215,21 +263,16 @@ class Trainer:
             "skipped_at": interval.skipped_at, **moe,
         })
 
-    def _save_checkpoint(self, step: int) -> str | None:
-        if not self.cfg.checkpoint.save_final:
-            return None
-        reason = checkpoint_unsupported(self.topology)
-        if reason:
-            if self.is_main:
-                tqdm.write(reason, file=sys.stderr)
-            return None
+    def _save_checkpoint(self, step: int, interval: Interval, val_start: float) -> str | None:
+        """Every rank writes its part of ``step_<n>``; rank 0 then drops the oldest periodic ones."""
+        rng = resume.gather_rng_states(self.world, self.device)  # collective
         meta = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topology.world_size,
-                "loss_scaler": self.scaler.state_dict()}
-        if self.engine is not None:
-            return str(save_sharded_checkpoint(self.run_dir / self.cfg.checkpoint.folder, self.engine, self.core,
-                                               meta, self.world))
-        path = save_checkpoint(self.run_dir / self.cfg.checkpoint.folder, self.core, self.optimizer, meta,
-                               self.world)
+                "layout": self.topology.describe(), "loss_scaler": self.scaler.state_dict(),
+                "interval": dataclasses.asdict(interval), "val_loss_start": val_start, "rng": rng}
+        path = step_path(self.checkpoint_folder, step)
+        save_training_state(path, meta, self.core, self.optimizer, self.engine, self.topology)
+        if self.is_main:
+            prune(self.checkpoint_folder, self.cfg.checkpoint.keep)
         return str(path)
 
     def _finish(self, val_start: float, val_end: float, last_loss: float, seconds: float,
@@ -245,7 +288,7 @@ class Trainer:
                                   if train_lines else None),
             "comm_total": CommLedger.as_dict(self.ledger.stats()), "checkpoint": checkpoint,
             "memory_per_rank": train_lines[-1]["memory"] if train_lines else None,
-            "skipped_steps": self.scaler.skipped, **self.timeline,
+            "skipped_steps": self.scaler.skipped, **self.timeline, **self.resumed,
         }
         if self.metrics:
             self.metrics.write_summary(summary)

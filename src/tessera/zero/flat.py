@@ -42,3 +42,18 @@ def named_params_by_id(module: nn.Module) -> dict[int, str]:
     for name, p in module.named_parameters(remove_duplicate=True):
         out.setdefault(id(p), name)
     return out
+
+
+def slice_segments(offsets: list[int], numels: list[int], tags: list, rank: int, world: int,
+                   padded: int) -> list[tuple[int, int, object]]:
+    """(start, end, tag) inside this rank's slice for every parameter that overlaps it: which part of
+    the slice belongs to which parameter (padding belongs to none), e.g. for a gradient norm that
+    treats tensor-parallel-split and replicated parameters differently."""
+    n = padded // world
+    lo, hi = rank * n, (rank + 1) * n
+    out = []
+    for o, k, tag in zip(offsets, numels, tags):
+        a, b = max(o, lo), min(o + k, hi)
+        if a < b:
+            out.append((a - lo, b - lo, tag))
+    return out

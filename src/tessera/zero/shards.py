@@ -18,6 +18,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.grad_norm import GradPiece, global_grad_norm, scale_to
 
 
 @dataclass(eq=False)
@@ -26,6 +27,9 @@ class Shard:
     param: torch.Tensor  # [n] compute dtype; what the all-gather sends
     master: nn.Parameter  # [n] fp32, on the offload device when offloading
     grad: torch.Tensor | None = None  # [n] reduce dtype; None until the first reduction
+    # (start, end, extra sharded axes) per parameter part of the slice, for the global norm; None: the
+    # whole slice, sharded over the shard group only
+    segments: list[tuple[int, int, frozenset]] | None = None
 
 
 def make_master(param_shard: torch.Tensor, offload_device: torch.device | None) -> nn.Parameter:
@@ -42,14 +46,18 @@ class ShardedUpdate:
     ``make_optimizer(param_groups)`` builds the torch optimizer; ``group_options[g]`` are the extra
     options of group g (e.g. ``{"weight_decay": 0.1}``). ``shard_group`` holds the different slices
     (their norms are summed); ``check_groups`` are every group whose ranks could see an overflow.
+    ``norm_axes``: further axes some parameters are split on (e.g. ``{"tp": group}`` when the model is
+    tensor-parallel); a shard's ``segments`` say which parts of it are (see ``tessera.grad_norm``).
     """
 
     def __init__(self, shards: list[Shard], group_options: list[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 shard_group: CommGroup, check_groups: list[CommGroup], device: torch.device):
+                 shard_group: CommGroup, check_groups: list[CommGroup], device: torch.device,
+                 norm_axes: dict[str, CommGroup] | None = None):
         self.shards = shards
         self.device = device  # where the small flag / norm tensors live (NCCL needs the accelerator)
         self.shard_group = shard_group
+        self.norm_axes = {"dp_shard": shard_group, **(norm_axes or {})}
         self.check_groups = check_groups
         groups = [{"params": [s.master for s in shards if s.group == g], **opts}
                   for g, opts in enumerate(group_options)]
@@ -76,16 +84,21 @@ class ShardedUpdate:
     @torch.no_grad()
     def clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradient over every shard (each element counted once); scale to max_norm."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for s in self.shards:
-            sq += s.master.grad.float().pow(2).sum().to(sq.device)
-        comm.all_reduce(sq, self.shard_group)
-        norm = sq.sqrt()
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for s in self.shards:
-                s.master.grad.mul_(scale.to(s.master.grad.device))
+        norm = global_grad_norm(self.norm_pieces(), self.norm_axes, self.device)
+        scale_to([s.master.grad for s in self.shards], norm, max_norm)
         return float(norm)
+
+    def norm_pieces(self) -> list[GradPiece]:
+        """The master gradients as norm pieces: each slice (or each parameter's part of it) is
+        sharded over the shard group, plus the axes its segment names."""
+        pieces = []
+        for s in self.shards:
+            g = s.master.grad
+            if s.segments is None:
+                pieces.append(GradPiece(g, frozenset({"dp_shard"})))
+                continue
+            pieces += [GradPiece(g[a:b], frozenset({"dp_shard"}) | axes) for a, b, axes in s.segments]
+        return pieces
 
     @torch.no_grad()
     def step(self) -> None:

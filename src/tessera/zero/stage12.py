@@ -27,7 +27,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
-from tessera.zero.flat import flatten_fp32, offsets_of, padded_size, rank_slice
+from tessera.zero.flat import flatten_fp32, offsets_of, padded_size, rank_slice, slice_segments
 from tessera.zero.shards import Shard, ShardedUpdate, make_master
 
 
@@ -65,13 +65,19 @@ def build_flat_buckets(param_groups: list[list[nn.Parameter]], cap_bytes: int) -
 
 class ZeroDataParallel(nn.Module):
     """ZeRO stage 1 or 2 around ``module``. ``param_groups`` are torch-style dicts ({"params": [...],
-    other options}); ``make_optimizer(groups)`` builds any elementwise torch optimizer."""
+    other options}); ``make_optimizer(groups)`` builds any elementwise torch optimizer.
+
+    Under tensor parallelism each tp rank runs its own engine over its own slices of the weights;
+    ``norm_axes`` (e.g. ``{"tp": group}``) and ``param_axes(p) -> frozenset`` (the axes among them that
+    ``p`` is split on) make the clipping norm count every element of the job once."""
 
     def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
                  replicate: CommGroup, stage: int, bucket_mb: float = 25.0,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
-                 offload_device: torch.device | None = None):
+                 offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
+                 param_axes=None):
         super().__init__()
+        self._param_axes = param_axes
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.module, self.stage = module, stage
@@ -84,7 +90,7 @@ class ZeroDataParallel(nn.Module):
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.update = ShardedUpdate([b.shard for b in self.buckets], options, make_optimizer, shard,
-                                    [shard, replicate], self.buckets[0].flat.device)
+                                    [shard, replicate], self.buckets[0].flat.device, norm_axes)
         self.optimizer = self.update.optimizer
         for b in self.buckets:
             for p in b.params:
@@ -105,7 +111,12 @@ class ZeroDataParallel(nn.Module):
         # mixed precision: the master starts from the fp32 values (a copy, so flat32 can be freed)
         master = make_master(rank_slice(flat32, n, self.shard_group.size).clone() if flat is not flat32
                              else param_slice, offload_device)
-        return FlatBucket(index, params, offsets, flat, Shard(group, param_slice, master))
+        shard = Shard(group, param_slice, master)
+        if self._param_axes is not None:
+            shard.segments = slice_segments(offsets, [p.numel() for p in params],
+                                            [frozenset(self._param_axes(p)) for p in params], n,
+                                            self.shard_group.size, flat.numel())
+        return FlatBucket(index, params, offsets, flat, shard)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -180,6 +191,11 @@ class ZeroDataParallel(nn.Module):
             b.used.clear()
         self._next_launch, self._queued = 0, False
         self._reduced = self.stage == 1
+
+    def reduce_gradients(self) -> None:
+        """Reduce gradients accumulated inside ``no_sync()`` by backwards the hooks did not see (a
+        pipeline schedule runs many per step): the same reduce-scatters as a synchronised backward."""
+        self._finish_backward()
 
     def _complete(self, b: FlatBucket) -> None:
         """Wait for a bucket's reduce-scatter, all-reduce the slice across replicas, keep it."""

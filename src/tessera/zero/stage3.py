@@ -19,7 +19,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
-from tessera.zero.flat import named_params_by_id
+from tessera.zero.flat import named_params_by_id, slice_segments
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.shards import ShardedUpdate
 from tessera.zero.wrap import Policy, select_units, unit_settings
@@ -67,7 +67,9 @@ class FullyShardedDataParallel(nn.Module):
                  replicate: CommGroup, policy: Policy, device: torch.device,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
-                 offload_device: torch.device | None = None):
+                 offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
+                 param_axes=None):
+        """``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath)."""
         super().__init__()
         self.module = module
         self.shard_group, self.replicate_group = shard, replicate
@@ -85,7 +87,12 @@ class FullyShardedDataParallel(nn.Module):
                 entries = [(p, locs, names[id(p)]) for p, (u, locs) in owner_unit.items()
                            if u is m and group_of.get(id(p)) == g]
                 if entries:
-                    flats.append(FlatParam(entries, g, shard, replicate, device, param_dtype, offload_device))
+                    flat = FlatParam(entries, g, shard, replicate, device, param_dtype, offload_device)
+                    if param_axes is not None:
+                        flat.shard.segments = slice_segments(
+                            flat.offsets, [s.numel() for s in flat.shapes],
+                            [frozenset(param_axes(p)) for p, _, _ in entries], shard.rank, shard.size, flat.size)
+                    flats.append(flat)
             unit = Unit(self, m, flats, m is module, settings.get("reshard_after_forward", reshard_after_forward))
             self.units.append(unit)
             m.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u))
@@ -98,7 +105,7 @@ class FullyShardedDataParallel(nn.Module):
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.flats = [f for u in self.units for f in u.flats]
         self.update = ShardedUpdate([f.shard for f in self.flats], options, make_optimizer, shard,
-                                    [shard, replicate], device)
+                                    [shard, replicate], device, norm_axes)
         self.optimizer = self.update.optimizer
 
     def forward(self, *args, **kwargs):

@@ -1,0 +1,141 @@
+"""A rank's model and optimizer state as checkpoint pieces, under any layout the trainer builds.
+
+Names (single-process, see :mod:`tessera.checkpoint.placement`)::
+
+    model/<param>                  the parameter (fp32 master values when the run keeps masters)
+    optim/<param>/exp_avg          AdamW state, the parameter's global shape
+    optim/<param>/exp_avg_sq
+    optim/<param>/step             0-d
+
+Where the values live:
+
+- no engine (plain, DDP, CP, TP(+SP), EP, pipeline stages): each local parameter and its optimizer state
+  are held whole in local shape; the placement maps them into the global tensor (replicas on dp ranks are
+  identical pieces, which the store writes once);
+- ZeRO-1/2 (:class:`ZeroDataParallel`, also stage 0 = master weights for mixed precision): each bucket is
+  a flat buffer of several parameters; this rank's fp32 master slice and its optimizer state cover a flat
+  range of the bucket, which crosses parameters: each parameter's share is cut into rectangles
+  (:func:`flat_boxes`) and mapped through the parameter's placement;
+- ZeRO-3 (:class:`FullyShardedDataParallel`): the same per :class:`FlatParam` (a unit's parameters).
+
+Every piece's tensor is a view of live storage, so a load writes straight into the parameters, masters and
+optimizer state; :func:`finish_load` then refreshes what is derived from them (compute-dtype copies,
+gathered parameters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tessera.checkpoint.pieces import Piece
+from tessera.checkpoint.placement import Placer, flat_boxes
+from tessera.zero import FullyShardedDataParallel, ZeroDataParallel
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state an Adam/AdamW first step would (zeros, step 0) for every parameter that has none,
+    so a checkpoint can be loaded into it in place. Taking a step from it gives the same result as from a
+    fresh optimizer."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        raise TypeError(f"checkpoint pieces know Adam/AdamW state only, not {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, topology=None,
+                 engine=None) -> list[Piece]:
+    """Every piece of model and optimizer state this rank holds (views of live tensors).
+
+    ``core`` is the unwrapped model this rank holds (the tensor-/expert-parallel Transformer, or a
+    pipeline's ``PipelineStep.module``), ``optimizer`` the one that steps it (an engine's own optimizer
+    over master shards), ``engine`` a ZeRO engine or None. ``topology`` is accepted for symmetry with the
+    trainer; the placements read the groups the layers and engines were built with. No communication.
+    """
+    if optimizer is not None:  # None: the model's pieces only (no engine)
+        ensure_optimizer_state(optimizer)
+    placer = Placer(core)
+    if engine is None:
+        return _whole_pieces(core, optimizer, placer)
+    if isinstance(engine, ZeroDataParallel):
+        names = {id(p): n for n, p in core.named_parameters()}
+        rank = engine.shard_group.rank
+        ranges = [(b.shard.master, rank, [(names[id(p)], tuple(p.shape), o) for p, o in zip(b.params, b.offsets)])
+                  for b in engine.buckets]
+    elif isinstance(engine, FullyShardedDataParallel):
+        ranges = [(f.shard.master, f.group_shard.rank, list(zip(f.names, map(tuple, f.shapes), f.offsets)))
+                  for f in engine.flats]
+    else:
+        raise TypeError(f"state_pieces does not know the engine {type(engine).__name__}")
+    pieces = []
+    for master, rank, entries in ranges:
+        pieces += _flat_shard_pieces(master, rank, entries, optimizer.state[master], placer)
+    return pieces
+
+
+def _whole_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, placer: Placer) -> list[Piece]:
+    """Each local parameter and its state, held whole in local shape."""
+    pieces = []
+    for name, p in core.named_parameters():
+        where = placer.place(name, p.shape)
+        pieces.append(where.piece(f"model/{where.name}", p.detach()))
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                key = f"optim/{where.name}/{key}"
+                pieces.append(Piece.whole(key, value) if value.dim() == 0 else where.piece(key, value))
+    return [x for x in pieces if x is not None]
+
+
+def _flat_shard_pieces(master: torch.Tensor, rank: int, entries: list[tuple[str, tuple, int]], state: dict,
+                       placer: Placer) -> list[Piece]:
+    """Pieces of one flat buffer's shard: ``master`` [n] holds flat elements [rank·n, (rank+1)·n) of a
+    buffer in which each entry (local name, local shape, offset) is laid C-contiguously from its offset;
+    the state tensors of ``state`` are [n] like the master, except 0-d ones (step), held whole."""
+    n = master.numel()
+    lo, hi = rank * n, (rank + 1) * n
+    flats = {"": master.detach()}  # checkpoint-name suffix → [n] tensor: "" is the model itself
+    flats.update({f"/{key}": v for key, v in state.items() if isinstance(v, torch.Tensor) and v.dim()})
+    scalars = {key: v for key, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+    pieces = []
+    for local_name, shape, offset in entries:
+        a, b = max(offset, lo), min(offset + math.prod(shape), hi)
+        if a >= b:
+            continue  # none of this parameter lies in this rank's shard
+        where = placer.place(local_name, shape)
+        for start, box in flat_boxes(shape, a - offset, b - offset):
+            at, size = offset + start - lo, math.prod(box[1])  # the rectangle's data in the shard
+            for suffix, flat in flats.items():
+                key = f"optim/{where.name}{suffix}" if suffix else f"model/{where.name}"
+                pieces.append(where.piece(key, flat[at:at + size].view(box[1]), box))
+        pieces += [Piece.whole(f"optim/{where.name}/{key}", v) for key, v in scalars.items()]
+    return [x for x in pieces if x is not None]
+
+
+@torch.no_grad()
+def finish_load(core: nn.Module, optimizer: torch.optim.Optimizer, engine=None) -> None:
+    """After pieces were loaded in place: copy fp32 masters into the compute-dtype shards where they are
+    separate, then re-gather ZeRO-1/2 parameters (an all-gather per bucket over the shard group: every
+    rank calls this) or drop ZeRO-3's gathered copies (the next forward gathers the loaded values).
+    Nothing to do without an engine: the pieces were the parameters themselves."""
+    if engine is None:
+        return
+    for shard in engine.update.shards:
+        if shard.master.data_ptr() != shard.param.data_ptr():
+            shard.param.copy_(shard.master.detach())
+    if isinstance(engine, FullyShardedDataParallel):
+        for unit in engine.units:
+            unit.reshard()
+    else:
+        engine.gather_params()

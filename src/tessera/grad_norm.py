@@ -1,0 +1,85 @@
+"""One gradient norm for the whole job: every gradient element counted exactly once, whatever the layout.
+
+A :class:`GradPiece` is a gradient tensor (a whole parameter's, or a slice of a ZeRO flat buffer) plus
+the *axes it is sharded on*: the axes along which ranks hold different pieces (``tp`` for a weight split
+by tensor parallelism, ``pp`` for a stage's parameters, ``ep`` for experts, ``dp_shard`` for a ZeRO slice).
+Along every other axis of ``axes`` the ranks hold identical copies, so only the rank at coordinate 0 of
+those axes adds the piece's squares. Summing the per-rank partial sums over every group of ``axes``
+(sequential all-reduces over orthogonal axes = one sum over their product) then counts each element
+exactly once. Axes not in ``axes`` (plain data parallelism, context parallelism: gradients already
+reduced and identical there) need no communication: every replica computes the same total.
+
+``axes`` must hold the same names on every rank (the layout's sharding axes, not this rank's
+parameters'); reductions run in sorted name order. Communication: one all-reduce of one fp32 value per
+axis of size > 1. Clipping scales every gradient by the same factor on every rank, so replicated
+parameters stay identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+
+
+@dataclass(frozen=True, eq=False)
+class GradPiece:
+    grad: torch.Tensor  # any shape; its squares are summed in fp32
+    sharded: frozenset = frozenset()  # names of the axes along which ranks hold different pieces
+
+
+def local_squares(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
+                  device: torch.device) -> torch.Tensor:
+    """This rank's share of ‖g‖² (a 0-d fp32 tensor on ``device``): pieces replicated along an axis of
+    ``axes`` count only at coordinate 0 of that axis."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for piece in pieces:
+        if any(group.rank != 0 for name, group in axes.items() if name not in piece.sharded):
+            continue
+        sq += piece.grad.detach().float().pow(2).sum().to(device)
+    return sq
+
+
+def global_grad_norm(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
+                     device: torch.device) -> torch.Tensor:
+    """‖g‖ over the whole job (0-d fp32, the same on every rank that shares the layout)."""
+    sq = local_squares(pieces, axes, device)
+    for name in sorted(axes):
+        comm.all_reduce(sq, axes[name])
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def scale_to(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Multiply ``grads`` in place by min(1, max_norm / norm) (``max_norm`` ≤ 0: leave them)."""
+    if max_norm <= 0:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(device=g.device, dtype=g.dtype))
+
+
+def clip_pieces(pieces: list[GradPiece], max_norm: float, axes: Mapping[str, CommGroup],
+                device: torch.device, grads: Iterable[torch.Tensor] | None = None) -> float:
+    """Clip to the global norm and return the norm before clipping. ``grads``: the tensors to scale
+    (default: the pieces' own; pass every gradient when some pieces were views or were left out)."""
+    norm = global_grad_norm(pieces, axes, device)
+    scale_to([p.grad for p in pieces] if grads is None else grads, norm, max_norm)
+    return float(norm)
+
+
+def param_pieces(params: Iterable[torch.nn.Parameter], axes_of, always: frozenset = frozenset(),
+                 skip: set[int] = frozenset()) -> list[GradPiece]:
+    """One piece per distinct parameter with a gradient: sharded on ``axes_of(p) | always``; parameters
+    whose id is in ``skip`` (a second copy of a tied weight) are left out."""
+    seen, out = set(skip), []
+    for p in params:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append(GradPiece(p.grad, frozenset(axes_of(p)) | always))
+    return out

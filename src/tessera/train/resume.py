@@ -1,0 +1,132 @@
+"""Resuming a run: where checkpoints live, what they hold besides tensors, and how a run continues.
+
+A run's checkpoints are ``<run>/<checkpoint.folder>/step_<n>/`` (written atomically: see
+:mod:`tessera.checkpoint`). Besides the model and optimizer tensors, each holds ``trainer.json``: the
+step, the data sampler's position, the loss scaler, the part of the current metrics interval already
+trained, and every rank's random-number-generator states — so a run resumed at the same layout repeats
+the uninterrupted run's losses exactly. At another layout the tensors reshard and the data order stays
+the same (it depends on the global batch, not on the ranks); only dropout masks, which are drawn per
+rank, differ.
+
+``<run>/progress.json`` is rewritten by rank 0 after every step; after a failure it tells the resumed
+job how many steps the failed attempt had done past its last checkpoint (``steps_lost``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tessera import comm
+from tessera.checkpoint import CheckpointError, is_complete, latest
+from tessera.comm.group import CommGroup
+
+def find_resume(resume: str, run_checkpoints: Path) -> Path | None:
+    """The checkpoint to continue from: ``"auto"`` → the newest in this run's folder (None if there is
+    none: a fresh start); a path → that checkpoint, or the newest inside a folder of checkpoints."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest(run_checkpoints)
+    path = Path(resume)
+    found = path if is_complete(path) else latest(path)
+    if found is None:
+        raise CheckpointError(f"checkpoint.resume: {path} is neither a complete checkpoint nor a folder "
+                              f"holding one")
+    return found
+
+
+# ---- random number generators -------------------------------------------------------------------
+
+
+def _rng_tensor(device: torch.device) -> torch.Tensor:
+    """This process's CPU generator state, then the accelerator's (if any), as one uint8 vector."""
+    parts = [torch.get_rng_state()]
+    if device.type != "cpu":
+        parts.append(torch.get_device_module(device.type).get_rng_state(device))
+    return torch.cat(parts)
+
+
+def gather_rng_states(world: CommGroup, device: torch.device) -> list[str] | None:
+    """Every rank's generator states, base64-encoded, on rank 0 (None elsewhere). Collective."""
+    local = _rng_tensor(device).to(device)
+    gathered = comm.gather(local, world, dst=0)
+    if gathered is None:
+        return None
+    return [base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii") for t in gathered]
+
+
+def restore_rng_state(states: list[str] | None, rank: int, device: torch.device) -> bool:
+    """Set this rank's generators from a checkpoint written by a job of the same world size."""
+    if not states or rank >= len(states):
+        return False
+    raw = torch.frombuffer(bytearray(base64.b64decode(states[rank])), dtype=torch.uint8)
+    cpu_size = torch.get_rng_state().numel()
+    torch.set_rng_state(raw[:cpu_size].clone())
+    if device.type != "cpu" and raw.numel() > cpu_size:
+        torch.get_device_module(device.type).set_rng_state(raw[cpu_size:].clone(), device)
+    return True
+
+
+# ---- progress of the current attempt ------------------------------------------------------------
+
+
+def write_progress(run_dir: Path, step: int) -> None:
+    """Rank 0, after every step: the last finished step (replaced atomically)."""
+    tmp = run_dir / "progress.json.tmp"
+    tmp.write_text(json.dumps({"step": step}), encoding="utf-8")
+    os.replace(tmp, run_dir / "progress.json")
+
+
+def read_progress(run_dir: Path) -> int | None:
+    try:
+        return int(json.loads((run_dir / "progress.json").read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def restart_count() -> int:
+    """Which attempt this is under torchrun's elastic agent (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def set_scheduler_step(scheduler, optimizer, step: int) -> None:
+    """Put a LambdaLR where ``step`` calls of ``step()`` would have (its factor is a pure function of
+    the step), and the optimizer's learning rates with it."""
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def check_before_launch(cfg) -> Path | None:
+    """The checkpoint a job will resume from, checked in this one process before any rank starts:
+    every file against the manifest (sizes and checksums), and every parameter of the configured model
+    present with its single-process shape. Raises CheckpointError (one sentence naming the file)."""
+    from tessera.checkpoint import checkpoint_tensors
+    from tessera.checkpoint.manifest import read_manifest, verify_files
+    from tessera.models import Transformer
+
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None
+    if cfg.checkpoint.resume == "auto" and run_dir is None:
+        return None
+    path = find_resume(cfg.checkpoint.resume, (run_dir or Path(".")) / cfg.checkpoint.folder)
+    if path is None:
+        return None
+    manifest = read_manifest(path)
+    verify_files(path, manifest, sorted(manifest["files"]))
+    saved = checkpoint_tensors(path)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = Transformer(cfg.model, cfg.moe)
+    for name, p in model.named_parameters():
+        have = saved.get(f"model/{name}")
+        if have != tuple(p.shape):
+            found = f"model/{name} of shape {list(have)}" if have is not None else f"no tensor model/{name}"
+            raise CheckpointError(f"checkpoint {path} holds {found} but model.preset={cfg.model_preset} "
+                                  f"needs {list(p.shape)} there: it was saved from another model")
+    return path

@@ -1,0 +1,118 @@
+"""The planner's accounting checked against what tessera's strategies do on local ranks (tier 1: pure):
+pipeline stages' in-flight micro-batches, per-axis communication bytes of pipeline, context and expert
+parallelism, offload's host copy, and the CPU time model (non-matmul kernels, per-collective start-up)."""
+
+import pytest
+
+from tessera.models.config import model_config
+from tessera.planner import Layout, estimate, from_model_config, inflight_microbatches
+from tessera.planner.calibrate import REFERENCE, elementwise_seconds_per_byte
+from tessera.planner.estimate import activation_bytes_per_step, comm_bytes
+from tessera.planner.flops import model_flops
+from tessera.planner.local import local_gpu
+from tessera.planner.memory import last_stage_inflight
+
+SMALL = from_model_config("small", model_config("small"))
+
+
+def test_last_stage_holds_one_microbatch_except_gpipe_and_interleaved_warmup():
+    assert last_stage_inflight("gpipe", 4, 8) == 8
+    assert last_stage_inflight("1f1b", 4, 8) == 1 and last_stage_inflight("zb-h1", 4, 8) == 1
+    # Megatron-LM's interleaved warm-up on rank r: 2(p − r − 1) + (v − 1)p forwards, then one more
+    # before the first backward; in micro-batches through the whole stage (v chunks)
+    for p, v in ((2, 2), (4, 2), (8, 3)):
+        assert last_stage_inflight("interleaved", p, 64, v) == pytest.approx(((v - 1) * p + 1) / v)
+        assert inflight_microbatches("interleaved", p, 64, v) == pytest.approx((2 * (p - 1) + (v - 1) * p + 1) / v)
+    assert last_stage_inflight("interleaved", 2, 1, 2) == 1.0  # never more than the micro-batches there are
+
+
+def test_pipeline_stage_memory_counts_the_logits_of_every_microbatch_in_flight():
+    seq, m = 128, 4
+    gpipe = estimate(SMALL, Layout(pp=2, schedule="gpipe", micro_batch=1), local_gpu(2), m, seq, "fp32")
+    layer = estimate(SMALL, Layout(micro_batch=1), local_gpu(1), 1, seq, "fp32").memory_bytes["activations"]
+    logits = seq * (3 * 4 * SMALL.hidden + 4 * SMALL.vocab)
+    per_layer = (layer - logits) / SMALL.layers  # one sequence through one layer
+    # both GPipe stages hold all m micro-batches of their 2 layers; the last also every logits tensor
+    assert gpipe.memory_bytes["activations"] == pytest.approx(m * (2 * per_layer + logits))
+
+
+def test_comm_bytes_of_pipeline_context_and_expert_parallelism():
+    seq, m = 128, 4
+    act = seq * SMALL.hidden * 4  # one micro-batch of one sequence, fp32
+    # pp = 2: each rank sends (or receives) m activations and m gradients, counted at both ends
+    assert comm_bytes(SMALL, Layout(pp=2, schedule="1f1b", micro_batch=1), m, seq, "fp32")["pp"] == 2 * m * act
+    inter = Layout(pp=2, schedule="interleaved", virtual_stages=2, micro_batch=1)
+    assert comm_bytes(SMALL, inter, m, seq, "fp32")["pp"] == 3 * 2 * m * act  # 3 boundaries among 4 chunks
+    # ring attention, cp = 2: per layer the k/v block forward, again backward with its dk/dv accumulator
+    # twice (cp shifts, fp32); sends and receives
+    kv = 2 * 4 * (seq // 2) * SMALL.kv_heads * SMALL.head_dim * 4
+    got = comm_bytes(SMALL, Layout(cp=2, micro_batch=4), 4, seq, "fp32")
+    assert got["cp"] == SMALL.layers * 2 * (kv + kv + 2 * kv) and got["dp"] == SMALL.num_params() * 4
+    moe = from_model_config("moe", model_config("moe-small"))
+    ep = comm_bytes(moe, Layout(dp=2, ep=2, micro_batch=4), 8, seq, "fp32")
+    assert ep["ep"] == 4 * (moe.layers // 2) * 4 * seq * 2 * moe.hidden * 4  # dispatch + combine, fwd + bwd
+    # experts have no replica when ep = dp: only the dense gradients are all-reduced
+    dense = moe.num_params() - moe.layers * moe.expert_layer_params()
+    assert ep["dp"] == pytest.approx(dense * 4)
+
+
+def test_offload_in_fp32_keeps_a_host_copy_of_the_parameter_shard():
+    est = estimate(SMALL, Layout(dp=2, zero_stage=2, offload=True, micro_batch=4), local_gpu(2), 8, 128, "fp32")
+    psi = SMALL.num_params()
+    assert est.memory_bytes["optimizer"] == 0
+    assert est.host_bytes == pytest.approx((8 + 4) * psi / 2)
+    mixed = estimate(SMALL, Layout(dp=2, zero_stage=2, offload=True, micro_batch=4), local_gpu(2), 8, 128, "mixed")
+    assert mixed.host_bytes == pytest.approx(12 * psi / 2)  # the master copy is among the 12 bytes already
+
+
+def test_moe_layers_save_k_expert_rows_instead_of_one_dense_ffn():
+    moe = from_model_config("moe", model_config("moe-small"))
+    dense = from_model_config("dense", model_config("moe-small", num_experts=0))
+    lay = Layout(dp=2, ep=2, micro_batch=4)
+    a_moe = estimate(moe, lay, local_gpu(2), 8, 128, "fp32").memory_bytes["activations"]
+    a_dense = estimate(dense, Layout(dp=2, micro_batch=4), local_gpu(2), 8, 128, "fp32").memory_bytes["activations"]
+    per_token = 4 * (2 * (4 * moe.ffn + 2 * moe.hidden) - 4 * moe.ffn) + 4 * 3 * moe.experts
+    assert a_moe - a_dense == pytest.approx(2 * 4 * 128 * per_token)  # 2 MoE layers, 512 tokens
+
+
+def test_calibrated_model_reproduces_the_reference_step_and_charges_tp_its_replicated_kernels():
+    preset, rows, seq = REFERENCE
+    cfg = model_config(preset)
+    flops = cfg.flops_per_token(seq) * rows * seq
+    cal = {"peak_flops": 4e10, "step_flops_alone": 2.5e10, "step_flops": 2e10, "alpha_s": 1e-4,
+           "bytes_per_s": 1e9, "collective_sync_s": 1e-3, "hbm_bytes_per_s": 1e10, "ranks": 2, "cores": 2,
+           "layer_call_s": 2e-3}
+    cal["elementwise_s_per_byte"] = elementwise_seconds_per_byte(cal["step_flops_alone"], cal["peak_flops"], 1e10,
+                                                                 cal["layer_call_s"])
+    single = estimate(SMALL, Layout(micro_batch=rows), local_gpu(1, cal), rows, seq, "fp32")
+    assert single.step_time_s == pytest.approx(flops / cal["step_flops_alone"])
+    # two ranks at once run at step_flops / step_flops_alone of the speed alone
+    two = local_gpu(2, cal)
+    assert two.compute_efficiency == pytest.approx(0.8) and two.collective_sync_s == 1e-3
+    tp = estimate(SMALL, Layout(tp=2, micro_batch=rows), two, rows, seq, "fp32")
+    acts_tp = activation_bytes_per_step(SMALL, Layout(tp=2, micro_batch=rows), rows, seq, "fp32")
+    acts_1 = activation_bytes_per_step(SMALL, Layout(micro_batch=rows), rows, seq, "fp32")
+    assert 0.5 < acts_tp / acts_1 < 0.7  # the residual stream's norms and adds are not split
+    charged = model_flops(SMALL, rows * seq, seq)  # the planner's count (ModelConfig's differs by 0.05%)
+    calls = 2e-3 * (SMALL.layers + 1)  # a TP rank runs every layer's kernels, however narrow
+    assert tp.time_s["compute"] == pytest.approx(
+        (charged / 2 / 4e10 + cal["elementwise_s_per_byte"] * acts_tp + calls) / 0.8)
+    # four micro-batches of one sequence pay each layer's fixed cost four times
+    split = estimate(SMALL, Layout(micro_batch=1), local_gpu(1, cal), rows, seq, "fp32")
+    assert split.time_s["compute"] - single.time_s["compute"] == pytest.approx(3 * calls)
+    # 4 collectives per layer, 2 around the layers, 3 loss reductions: each pays the start-up once
+    no_sync = estimate(SMALL, Layout(tp=2, micro_batch=rows), local_gpu(2, {**cal, "collective_sync_s": 0.0}),
+                       rows, seq, "fp32")
+    assert tp.time_s["tp"] - no_sync.time_s["tp"] == pytest.approx((4 * SMALL.layers + 2 + 3) * 1e-3)
+
+
+def test_recomputation_saves_memory_but_reruns_the_forward_kernels():
+    cal = {"peak_flops": 4e10, "step_flops_alone": 2.5e10, "step_flops": 2.5e10, "alpha_s": 1e-4,
+           "bytes_per_s": 1e9, "hbm_bytes_per_s": 1e10, "elementwise_s_per_byte": 1e-9}
+    gpu = local_gpu(1, cal)
+    none, full = (estimate(SMALL, Layout(micro_batch=4, recompute=r), gpu, 4, 128, "fp32") for r in ("none", "full"))
+    assert full.memory_bytes["activations"] < none.memory_bytes["activations"] / 4
+    acts = activation_bytes_per_step(SMALL, Layout(micro_batch=4), 4, 128, "fp32")
+    extra_flops = full.time_s["compute"] - none.time_s["compute"] - 1e-9 * acts / 3
+    assert extra_flops == pytest.approx((2 * (SMALL.matmul_params_per_token() - SMALL.vocab * SMALL.hidden)
+                                         + 4 * SMALL.layers * SMALL.hidden * 128) * 512 / 4e10)
