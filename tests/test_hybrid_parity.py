@@ -85,7 +85,7 @@ REJECTED = [  # (world size, args, the reason's words)
     (4, ["--parallel.pp=2", "--parallel.tp=2", "--pipeline.schedule=2bw"],
      "tensor parallelism with the weight-stashing pipeline.schedule='2bw'"),
     (4, ["--parallel.ep=2", "--parallel.cp=2", *MOE], "expert parallelism together with context parallelism"),
-    (4, ["--parallel.ep=2", "--parallel.zero_stage=1", *MOE], "expert parallelism together with ZeRO"),
+    (4, ["--parallel.ep=2", "--parallel.zero_stage=3", *MOE], "expert parallelism together with ZeRO-3"),
     (4, ["--parallel.cp=2", "--precision.dtype=bf16"], "mixed precision together with context or expert"),
     (4, ["--parallel.cp=2", *MOE], "context parallelism of a mixture-of-experts model"),
 ]

@@ -34,7 +34,7 @@ def validate_composition(cfg) -> None:
     """Reject strategy pairings this version cannot train; ``cfg`` is a JobConfig (degrees resolved or not).
 
     Supported (docs/HYBRID.md): dp_replicate × dp_shard (ZeRO 0–3) × tp (+SP) × cp, pp × dp × tp (+SP)
-    with ZeRO 0–1, ep × dp × tp (+SP) with DDP, mixed precision × dp × tp."""
+    with ZeRO 0–1, ep × dp × tp (+SP) with DDP or ZeRO-1/2, mixed precision × dp × tp."""
     par = cfg.parallel
     mixed = cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("", "fp32")
     if par.pp > 1:
@@ -60,9 +60,12 @@ def validate_composition(cfg) -> None:
     if par.ep > 1 and par.cp > 1:
         _reject("expert parallelism together with context parallelism (routing groups would be sequence "
                 "chunks)", "set parallel.cp=1")
-    if par.ep > 1 and par.zero_stage > 0:
-        _reject("expert parallelism together with ZeRO (experts reduce over edp, not dp)",
-                "use parallel.zero_stage=0")
+    if par.ep > 1 and par.zero_stage > 2:
+        _reject("expert parallelism together with ZeRO-3 (expert units would gather over edp, not dp)",
+                "use parallel.zero_stage=0, 1 or 2")
+    if par.ep > 1 and par.zero_stage > 0 and par.dp_shard > 1 and par.dp_replicate != 1:
+        _reject("expert parallelism together with hybrid sharding (dense state shards over the whole dp)",
+                "set parallel.dp_shard=1 or parallel.dp_replicate=1")
     if (par.cp > 1 or par.ep > 1) and mixed:
         _reject("mixed precision together with context or expert parallelism", "use precision.dtype=fp32")
     if cfg.model.num_experts and par.cp > 1:
@@ -85,7 +88,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     """Apply every strategy the topology asks for to ``model`` (in place where possible).
 
     Tensor parallelism (+SP; MoE feed-forwards stay whole on every tp rank), then context parallelism,
-    then activation checkpointing, then expert parallelism (with DDP over dp / edp), or mixed precision
+    then activation checkpointing, then expert parallelism (with DDP or ZeRO-1/2 over dp / edp), or mixed precision
     and ZeRO (``parallel.zero_stage`` ≥ 1, or low precision, which needs fp32 master weights), or else
     DDP over dp × cp. A sharded engine owns the optimizer, built by ``make_optimizer(groups)`` over master
     shards of ``param_groups`` (see :func:`is_sharded`), and clips by the job-wide norm. ``param_groups``
@@ -101,9 +104,14 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     if recompute is not None:
         apply_checkpointing(transformer_blocks(model), recompute)
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
-        from tessera.moe import expert_parallelize
+        from tessera.moe import apply_expert_parallel, expert_parallelize, expert_zero
 
-        model = expert_parallelize(model, topology)
+        if topology.config.zero_stage > 0:  # ZeRO-1/2: dense state sharded over dp, expert state over edp
+            apply_expert_parallel(model, topology.group("ep"))
+            model = expert_zero(model, topology, param_groups, make_optimizer, topology.config.zero_stage,
+                                zero or ZeroConfig(), norm_axes(topology), sharded_axes(model, topology))
+        else:
+            model = expert_parallelize(model, topology)
     if tp_cfg is not None and tp_cfg.sequence_parallel:
         whole_moe_under_sp(unwrap(model), topology.group("tp"))
     if topology.size("ep") > 1:
@@ -178,10 +186,10 @@ def sharded_axes(model: nn.Module, topology: Topology):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The single-device model inside any wrapper ``parallelize`` added."""
-    from tessera.moe import ExpertDataParallel
+    from tessera.moe import ExpertDataParallel, ExpertZeroDataParallel
 
     while isinstance(model, (DistributedDataParallel, ZeroDataParallel, FullyShardedDataParallel,
-                             ExpertDataParallel)):
+                             ExpertDataParallel, ExpertZeroDataParallel)):
         model = model.module
     return model
 
@@ -189,4 +197,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is a ZeRO / master-weight engine: it owns the optimizer and is stepped through
     ``clip_grad_norm(max_norm, inv_scale) -> (norm, finite)``, ``step()`` and ``zero_grad()``."""
-    return isinstance(model, (ZeroDataParallel, FullyShardedDataParallel))
+    from tessera.moe import ExpertZeroDataParallel
+
+    return isinstance(model, (ZeroDataParallel, FullyShardedDataParallel, ExpertZeroDataParallel))

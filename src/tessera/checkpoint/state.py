@@ -16,7 +16,9 @@ Where the values live:
   a flat buffer of several parameters; this rank's fp32 master slice and its optimizer state cover a flat
   range of the bucket, which crosses parameters: each parameter's share is cut into rectangles
   (:func:`flat_boxes`) and mapped through the parameter's placement;
-- ZeRO-3 (:class:`FullyShardedDataParallel`): the same per :class:`FlatParam` (a unit's parameters).
+- ZeRO-3 (:class:`FullyShardedDataParallel`): the same per :class:`FlatParam` (a unit's parameters);
+- ZeRO-1/2 × ep (:class:`tessera.moe.ExpertZeroDataParallel`): its two engines' buckets (dense over dp,
+  experts over edp), each as above; the placement gives experts their global index.
 
 Every piece's tensor is a view of live storage, so a load writes straight into the parameters, masters and
 optimizer state; :func:`finish_load` then refreshes what is derived from them (compute-dtype copies,
@@ -68,11 +70,11 @@ def state_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, topol
     placer = Placer(core)
     if engine is None:
         return _whole_pieces(core, optimizer, placer)
-    if isinstance(engine, ZeroDataParallel):
+    if isinstance(engine, ZeroDataParallel) or hasattr(engine, "parts"):  # parts: ZeRO × ep (dense, experts)
         names = {id(p): n for n, p in core.named_parameters()}
-        rank = engine.shard_group.rank
-        ranges = [(b.shard.master, rank, [(names[id(p)], tuple(p.shape), o) for p, o in zip(b.params, b.offsets)])
-                  for b in engine.buckets]
+        ranges = [(b.shard.master, e.shard_group.rank,
+                   [(names[id(p)], tuple(p.shape), o) for p, o in zip(b.params, b.offsets)])
+                  for e in getattr(engine, "parts", (engine,)) for b in e.buckets]
     elif isinstance(engine, FullyShardedDataParallel):
         ranges = [(f.shard.master, f.group_shard.rank, list(zip(f.names, map(tuple, f.shapes), f.offsets)))
                   for f in engine.flats]

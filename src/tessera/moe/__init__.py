@@ -2,7 +2,8 @@
 
 ``apply_expert_parallel(model, ep)`` shards every MoE layer's experts over the ``ep`` group (tokens
 travel by all-to-all); ``ExpertDataParallel(model, dp, edp)`` reduces dense gradients over ``dp`` and
-expert gradients over ``edp``; ``moe_metrics(model, dp)`` gives the per-step routing metrics.
+expert gradients over ``edp`` (``ExpertZeroDataParallel``: the same with ZeRO-1/2 sharding);
+``moe_metrics(model, dp)`` gives the per-step routing metrics.
 """
 
 from tessera.moe.all_to_all import all_to_all, exchange_counts
@@ -15,8 +16,9 @@ from tessera.moe.expert_parallel import (
 )
 from tessera.moe.grad_norm import clip_grad_norm_moe
 from tessera.moe.metrics import moe_metrics
+from tessera.moe.zero import ExpertZeroDataParallel, expert_zero
 
 __all__ = [
-    "ExpertDataParallel", "ExpertParallelMoE", "all_to_all", "apply_expert_parallel", "clip_grad_norm_moe",
-    "exchange_counts", "expert_parallelize", "expert_parameters", "global_expert_state", "moe_metrics",
+    "ExpertDataParallel", "ExpertParallelMoE", "ExpertZeroDataParallel", "all_to_all", "apply_expert_parallel", "clip_grad_norm_moe",
+    "exchange_counts", "expert_parallelize", "expert_parameters", "expert_zero", "global_expert_state", "moe_metrics",
 ]

@@ -104,6 +104,11 @@ class ShardedUpdate:
     def step(self) -> None:
         """Optimizer step on the masters, then the compute-dtype shards take the new values."""
         self.optimizer.step()
+        self.refresh_params()
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """The compute-dtype shards take the masters' values (where they are separate tensors)."""
         for s in self.shards:
             if s.master.data_ptr() != s.param.data_ptr():
                 s.param.copy_(s.master.detach(), non_blocking=True)
