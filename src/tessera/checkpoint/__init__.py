@@ -11,7 +11,9 @@ from tessera.checkpoint.store import (
     load_pieces,
     prune,
     read_meta,
+    resolve,
     save_pieces,
     step_path,
+    verify,
 )
 from tessera.checkpoint.state import ensure_optimizer_state, finish_load, state_pieces

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.safe_reader import read_dcp_metadata
-from tessera.checkpoint.store import is_complete, latest, load_pieces
+from tessera.checkpoint.store import load_pieces, resolve
 from tessera.comm.group import CommGroup
 
 
@@ -46,9 +46,7 @@ def export_command(checkpoint: str | Path, out: str | Path | None = None) -> int
     """``tessera export CHECKPOINT [OUT]``: the model weights of a checkpoint as one safetensors file
     (default ``<checkpoint>.safetensors`` beside the folder). CHECKPOINT may also be a folder of
     ``step_<n>`` checkpoints: the newest complete one is exported. Prints what it wrote; returns 0."""
-    checkpoint = Path(checkpoint)
-    if not is_complete(checkpoint) and (newest := latest(checkpoint)) is not None:
-        checkpoint = newest
+    checkpoint = resolve(checkpoint) or Path(checkpoint)  # a folder of step_<n>: its newest
     target = Path(out) if out is not None else checkpoint.with_name(checkpoint.name + ".safetensors")
     written = export_safetensors(checkpoint, target)
     print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB), the model weights of {checkpoint}")

@@ -181,6 +181,16 @@ def load_pieces(path: Path, pieces: list[Piece], world: CommGroup) -> dict:
     return found["meta"]
 
 
+def verify(path: Path, pieces: list[Piece]) -> None:
+    """One process, nothing loaded: every file of checkpoint ``path`` against its manifest (sizes and
+    checksums), and every piece's tensor present with its global shape; raises CheckpointError. What a
+    launcher checks before any rank starts (a load checks the same again, shared among its ranks)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    verify_files(path, manifest, sorted(set(manifest["files"]) | {METADATA_FILE, META}))
+    _check_pieces(path, pieces)
+
+
 def _verify_share(path: Path, world: CommGroup) -> None:
     """Check this rank's share of the files (every ``world.size``-th, in name order) against the manifest."""
     manifest = read_manifest(path)
@@ -297,6 +307,12 @@ def latest(folder: Path) -> Path | None:
     """The newest complete checkpoint in ``folder`` (the one to resume from), or None."""
     found = checkpoints(folder)
     return found[-1][1] if found else None
+
+
+def resolve(path: Path) -> Path | None:
+    """``path`` itself when it is a complete checkpoint, else the newest complete one inside it, or None."""
+    path = Path(path)
+    return path if is_complete(path) else latest(path)
 
 
 def prune(folder: Path, keep: int) -> list[Path]:

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from tessera import comm
-from tessera.checkpoint import CheckpointError, is_complete, latest
+from tessera.checkpoint import CheckpointError, latest, resolve, state_pieces, verify
 from tessera.comm.group import CommGroup
+
 
 def find_resume(resume: str, run_checkpoints: Path) -> Path | None:
     """The checkpoint to continue from: ``"auto"`` → the newest in this run's folder (None if there is
@@ -32,10 +33,9 @@ def find_resume(resume: str, run_checkpoints: Path) -> Path | None:
         return None
     if resume == "auto":
         return latest(run_checkpoints)
-    path = Path(resume)
-    found = path if is_complete(path) else latest(path)
+    found = resolve(Path(resume))
     if found is None:
-        raise CheckpointError(f"checkpoint.resume: {path} is neither a complete checkpoint nor a folder "
+        raise CheckpointError(f"checkpoint.resume: {resume} is neither a complete checkpoint nor a folder "
                               f"holding one")
     return found
 
@@ -108,8 +108,6 @@ def check_before_launch(cfg) -> Path | None:
     """The checkpoint a job will resume from, checked in this one process before any rank starts:
     every file against the manifest (sizes and checksums), and every parameter of the configured model
     present with its single-process shape. Raises CheckpointError (one sentence naming the file)."""
-    from tessera.checkpoint import checkpoint_tensors
-    from tessera.checkpoint.manifest import read_manifest, verify_files
     from tessera.models import Transformer
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None
@@ -118,15 +116,7 @@ def check_before_launch(cfg) -> Path | None:
     path = find_resume(cfg.checkpoint.resume, (run_dir or Path(".")) / cfg.checkpoint.folder)
     if path is None:
         return None
-    manifest = read_manifest(path)
-    verify_files(path, manifest, sorted(manifest["files"]))
-    saved = checkpoint_tensors(path)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = Transformer(cfg.model, cfg.moe)
-    for name, p in model.named_parameters():
-        have = saved.get(f"model/{name}")
-        if have != tuple(p.shape):
-            found = f"model/{name} of shape {list(have)}" if have is not None else f"no tensor model/{name}"
-            raise CheckpointError(f"checkpoint {path} holds {found} but model.preset={cfg.model_preset} "
-                                  f"needs {list(p.shape)} there: it was saved from another model")
+    verify(path, state_pieces(model, None))
     return path
