@@ -75,8 +75,11 @@ def measure_trainer(rank: int, world_size: int, overrides: list[str], steps: int
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
+        # the pipeline's timeline is a [pipeline] key: set only where there is a pipeline (a setting
+        # without effect is refused)
+        timeline = ["pipeline.timeline=false"] if any(o.startswith("parallel.pp=") for o in overrides) else []
         cfg = load_config(None, ["--" + o for o in [*overrides, f"run.out_dir={out}", "run.progress=false",
-                                 "checkpoint.save_final=false", "pipeline.timeline=false",
+                                 "checkpoint.save_final=false", *timeline,
                                  f"train.steps={steps + 2}", "optim.grad_clip=0"]])
         validate_config(cfg, world_size)
         trainer = Trainer(cfg, CPU)

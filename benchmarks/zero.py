@@ -31,12 +31,12 @@ from _common import (DOCS, bench_parser, interleaved_times, machine, pool_manage
                      replace_section, slowest_medians, token_batch)
 
 from tessera.data_parallel import DistributedDataParallel  # noqa: E402
+from tessera.grad_norm import clip_grad_norm  # noqa: E402
 from tessera.models import Transformer, model_config  # noqa: E402
 from tessera.models.layers import TransformerBlock  # noqa: E402
 from tessera.precision import PrecisionConfig  # noqa: E402
 from tessera.topology import ParallelConfig, Topology  # noqa: E402
 from tessera.train.memory import storage_bytes  # noqa: E402
-from tessera.train.optim import clip_grad_norm  # noqa: E402
 from tessera.zero import ZeroConfig  # noqa: E402
 from tessera.zero.build import shard_model  # noqa: E402
 
@@ -98,7 +98,7 @@ class Variant:
         else:
             params = list(self.model.parameters())
             if self.kind == "ddp":
-                clip_grad_norm(params, 1.0)
+                clip_grad_norm(params, {}, 1.0)  # DDP: gradients replicated, no norm axes
             else:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             self.opt.step()

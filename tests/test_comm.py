@@ -1,4 +1,5 @@
-"""tessera.comm on real gloo ranks: results, ledger accounting, size-1 skipping, autograd, timeouts."""
+"""tessera.comm on real gloo ranks: results, ledger accounting, size-1 skipping, autograd, timeouts, and
+the check that every tensor lives on its group's device."""
 
 from datetime import timedelta
 
@@ -192,3 +193,57 @@ def test_collective_that_cannot_complete_names_rank_op_axis_and_call(rank_pool):
     assert message is not None
     assert message.startswith("rank 0: all_reduce call #2 on axis 'tp'")
     assert "within 1.5 s" in message and "#1 all_reduce" in message
+
+
+# ---- every tensor lives on its group's device ----------------------------------------------------
+def _call(op: str, t: torch.Tensor, g: CommGroup):
+    out = torch.empty_like(t)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(t, g), "broadcast": lambda: comm.broadcast(t, g),
+        "reduce": lambda: comm.reduce(t, g), "all_gather": lambda: comm.all_gather(out, t, g),
+        "reduce_scatter": lambda: comm.reduce_scatter(out, t, g), "all_to_all": lambda: comm.all_to_all(out, t, g),
+        "gather": lambda: comm.gather(t, g), "scatter": lambda: comm.scatter(out, [t], g),
+        "copy_to": lambda: comm.copy_to(t, g), "reduce_from": lambda: comm.reduce_from(t, g),
+        "gather_from": lambda: comm.gather_from(t, g), "scatter_to": lambda: comm.scatter_to(t, g),
+        "send": lambda: comm.send(t, g, 0),
+    }
+    return calls[op]()
+
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+       "copy_to", "reduce_from", "gather_from", "scatter_to", "send"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_tensor_off_the_group_device_fails_in_one_sentence_even_on_one_rank(op):
+    g = CommGroup.single("tp", device="meta")  # a group declared on another device than the tensor's
+    with pytest.raises(comm.DeviceMismatchError) as err:
+        _call(op, torch.ones(4), g)
+    message = str(err.value)
+    assert message.startswith(f"rank 0: {op} on axis 'tp' (ranks [0]) was handed a tensor on cpu but the "
+                              f"group's device is meta")
+    assert "\n" not in message and message.count(". ") == 0
+    assert (err.value.rank, err.value.op, err.value.axis, err.value.cause) == (0, op, "tp", "device")
+    assert g.ledger.stats() == {} and g.seq == 0  # nothing was issued
+    _call(op, torch.ones(4, device="meta"), g) if op != "send" else None  # the group's device passes
+
+
+def device_check_worker(rank, world_size):
+    """A batched exchange with a stray tensor raises on every rank before anything is posted, so no rank
+    hangs and the group stays usable."""
+    g = world_group(rank, world_size, axis="pp")
+    peer = 1 - rank
+    stray = torch.zeros(2, device="meta")
+    try:
+        comm.batch_isend_irecv([P2POp("send", torch.ones(2), peer), P2POp("recv", stray, peer)], g)
+    except comm.DeviceMismatchError as err:
+        caught = str(err)
+    t = torch.full((2,), float(rank + 1))
+    comm.all_reduce(t, g)
+    return caught, t.tolist(), g.seq
+
+
+def test_batched_exchange_with_a_stray_tensor_fails_before_posting(rank_pool):
+    for rank, (message, reduced, seq) in enumerate(rank_pool.run(device_check_worker, 2)):
+        assert message.startswith(f"rank {rank}: recv on axis 'pp' (ranks [0, 1]) was handed a tensor on meta")
+        assert reduced == [3.0, 3.0] and seq == 1  # only the all-reduce was issued

@@ -8,7 +8,7 @@ from torch import nn
 
 from tessera.comm import CommGroup
 from tessera.data_parallel import DistributedDataParallel
-from tessera.data_parallel.buckets import build_buckets
+from tessera.data_parallel.buckets import build_buckets, in_arrival_order
 from tessera.models import Transformer, model_config
 from tessera.topology import ParallelConfig, Topology
 from tessera.train.step import forward_backward
@@ -121,9 +121,32 @@ def test_buckets_fill_in_reverse_order_within_cap():
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 400, 10)]
     buckets = build_buckets(list(reversed(params)), cap_bytes=1600)  # 400 floats
     assert [[p.numel() for p in b.params] for b in buckets] == [[10], [400], [50, 300], [100]]
-    assert all(b.buffer.numel() == sum(p.numel() for p in b.params) for b in buckets)
+    assert all(b.size == sum(p.numel() for p in b.params) and b.buffer is None for b in buckets)
+    assert [b.offsets for b in buckets] == [[0], [0], [0, 50], [0]]
     mixed = build_buckets([nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4, dtype=torch.float64))], 1 << 20)
-    assert [b.buffer.dtype for b in mixed] == [torch.float32, torch.float64]
+    assert [b.allocate().dtype for b in mixed] == [torch.float32, torch.float64]
+
+
+def test_buckets_split_by_param_group_and_pad_for_sharding():
+    """The same builder serves ZeRO: a new bucket when the optimizer group changes, each padded to a
+    multiple of the shard count (at least one element per rank)."""
+    a, b, c, d = (nn.Parameter(torch.zeros(n)) for n in (5, 6, 7, 1))
+    group = {id(a): 0, id(b): 0, id(c): 1, id(d): 0}
+    buckets = build_buckets([a, b, c, d], 1 << 20, lambda p: group[id(p)], pad_to=4)
+    assert [[p.numel() for p in x.params] for x in buckets] == [[5, 6], [7], [1]]
+    assert [x.group for x in buckets] == [0, 1, 0]
+    assert [x.size for x in buckets] == [12, 8, 4]
+    assert float(buckets[0].allocate()[11]) == 0.0 and buckets[0].allocate().numel() == 12
+
+
+def test_buckets_launch_in_the_order_backward_fills_them():
+    """ZeRO's buckets follow its param groups; their launch order follows the gradients' arrival."""
+    w1, b1, w2, b2 = (nn.Parameter(torch.zeros(n)) for n in (8, 2, 8, 2))  # registration order
+    group = {id(w1): 0, id(w2): 0, id(b1): 1, id(b2): 1}
+    buckets = build_buckets([w2, w1, b2, b1], 40, lambda p: group[id(p)])  # reversed groups, as ZeRO does
+    assert [[p.numel() for p in b.params] for b in buckets] == [[8], [8], [2, 2]]
+    order = in_arrival_order(buckets, [b2, w2, b1, w1])  # reverse registration order
+    assert [b.index for b in order] == [0, 2, 1]  # w2's bucket, then the vectors (b1 arrives before w1)
 
 
 def ledger_worker(rank, world_size, bucket_mb):
@@ -261,3 +284,35 @@ def test_ddp_gradients_equal_torch_ddp(rank_pool):
 @pytest.mark.multirank
 def test_ddp_keeps_gradients_accumulated_before_a_pass_that_skips_them(rank_pool):
     check_branchy_against_one_process(rank_pool, "accumulate_then_skip")
+
+
+def ep_settings_worker(rank, world_size, bucket_mb, find_unused):
+    """``parallelize`` under expert parallelism (4 ranks: ep=2, edp=2): both reductions (dense over dp,
+    experts over edp) take the [ddp] settings; ``spare`` is a dense layer the forward never calls."""
+    from tessera.data_parallel import DDPConfig
+    from tessera.models.moe import MoEConfig
+    from tessera.parallelize import parallelize
+
+    topo = Topology.build(ParallelConfig(dp_replicate=world_size, ep=2))
+    try:
+        torch.manual_seed(0)
+        model = Transformer(model_config("tiny", num_experts=4, moe_every=1), MoEConfig(top_k=1))
+        model.spare = nn.Linear(4, 4)
+        wrapped = parallelize(model, topo, DDPConfig(bucket_mb=bucket_mb, find_unused_parameters=find_unused))
+        x, y = local_micro_batches(0, rank, world_size, 1)[0]
+        forward_backward(wrapped, [(x, y)], topo.group("dp"), torch.device("cpu"))
+        return {"buckets": [len(r.buckets) for r in wrapped._replicas], "spare": model.spare.weight.grad,
+                "with_grad": sum(p.grad is not None for p in model.parameters())}
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.multirank
+def test_expert_data_parallel_takes_the_ddp_settings(rank_pool):
+    big = rank_pool.run(ep_settings_worker, 4, bucket_mb=25.0, find_unused=False)
+    small = rank_pool.run(ep_settings_worker, 4, bucket_mb=0.002, find_unused=True)
+    assert all(r["buckets"] == [1, 1] for r in big)
+    assert all(dense > 5 and experts > 5 for r in small for dense, experts in [r["buckets"]])
+    assert all(r["spare"] is not None and not r["spare"].any() for r in big)  # zeros
+    assert all(r["spare"] is None for r in small)  # no rank had a gradient: None, as in one process
+    assert all(r["with_grad"] == big[0]["with_grad"] - 2 for r in small)  # only spare's two lost theirs

@@ -208,6 +208,50 @@ def trainer_worker(rank, world_size, args):
     return run_rank(load_config(None, args))
 
 
+def one_thread_per_rank(nproc: int) -> set[int] | None:
+    """CPUs for a torchrun agent of ``nproc`` local ranks on which each rank runs ONE torch thread, as
+    each rank of the rank pool's reference run does. ``run_rank`` gives a rank usable_cores() //
+    LOCAL_WORLD_SIZE threads, and a different thread count may change a matmul's summation order, so
+    a bit-exact comparison needs the same count whatever this machine's core count: pin the agent (and
+    so its ranks) to ``nproc`` cores. With fewer cores than ranks the count is already 1 (None: no pin)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return set(cores[:nproc]) if len(cores) >= nproc else None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux interface")
+def test_the_pinned_agent_gives_each_rank_the_reference_runs_one_thread(monkeypatch, tmp_path, corpus_cache):
+    """What ``run_rank`` does with the pinned affinity, in this process: 1 torch thread, whatever the
+    machine (the kill -9 test's bit-exact comparison with the rank pool depends on it)."""
+    from tessera.train import trainer
+
+    seen = {}
+
+    class Counting:  # stands in for the Trainer: records the threads run_rank chose, trains nothing
+        def __init__(self, cfg, device):
+            seen["threads"] = torch.get_num_threads()
+
+        def fit(self):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer, "Trainer", Counting)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for key in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    before_threads, before_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        pinned = one_thread_per_rank(2)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+        run_rank(load_config(None, job_args(tmp_path, corpus_cache, "threads")))
+    finally:
+        os.sched_setaffinity(0, before_cores)
+        torch.set_num_threads(before_threads)
+    assert seen["threads"] == 1
+
+
 _REFERENCE: dict = {}  # run once per session, shared with tests/test_multinode.py
 
 
@@ -229,7 +273,8 @@ def test_kill_9_of_a_rank_restarts_and_resumes_with_the_undisturbed_loss(tmp_pat
     run = tmp_path / "job"
     # the agent looks at its ranks every 0.5 s: time for the survivor to meet the closed connection and
     # say so before the agent stops it
-    agent = torchrun(2, job_args(tmp_path, corpus_cache, "job"), monitor_interval=0.5)
+    # pinned: one torch thread per rank, as in the reference run, however many cores this machine has
+    agent = torchrun(2, job_args(tmp_path, corpus_cache, "job"), monitor_interval=0.5, cores=one_thread_per_rank(2))
     out, err = Lines(agent.stdout), Lines(agent.stderr)
     try:
         # mid-interval: the checkpoint of step 10 is written and a step or more after it is done

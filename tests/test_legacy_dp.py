@@ -34,6 +34,9 @@ def test_replicas_run_in_parallel_threads():
     import threading
 
     seen = set()
+    # every replica waits here for the other three: only replicas that run at the same time get through
+    # (one after another, the first would time out); a pool may otherwise reuse an idle thread
+    together = threading.Barrier(4, timeout=30)
 
     class Probe(nn.Module):
         def __init__(self):
@@ -42,7 +45,8 @@ def test_replicas_run_in_parallel_threads():
 
         def forward(self, x):
             seen.add(threading.get_ident())
+            together.wait()
             return self.lin(x)
 
     DataParallel(Probe(), ["cpu"] * 4)(torch.randn(8, 2))
-    assert len(seen) >= 2 and threading.get_ident() not in seen  # worker threads, not the caller
+    assert len(seen) == 4 and threading.get_ident() not in seen  # four worker threads, not the caller

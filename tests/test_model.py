@@ -5,16 +5,20 @@ Legend: B batch, S sequence, D model dim, H heads, E head dim, V vocab.
 
 from __future__ import annotations
 
+import ast
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import tessera.models
 from tessera.errors import ConfigError
 from tessera.models import PRESETS, ModelConfig, Transformer, cross_entropy_sum, model_config
 from tessera.models.layers import Attention, apply_rope, precompute_rope
+from tessera.models.moe import MoEConfig
 
 
 def _tiny(seed: int = 0, **overrides) -> Transformer:
@@ -317,3 +321,64 @@ def test_cross_entropy_sum_ignores_tokens_and_upcasts():
     torch.testing.assert_close(loss_sum, expected)
     loss_sum, n = cross_entropy_sum(logits_BSV, torch.full((2, 5), 7), ignore_index=7)
     assert n == 0 and loss_sum.item() == 0.0
+
+
+# ---- structure ------------------------------------------------------------------------
+
+
+def _model_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of tessera.models that ``path`` imports, at top level or inside a function
+    ("__init__" for the package itself); fails on any torch.distributed import."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            assert not name.startswith("torch.distributed"), f"{path.name} imports {name}"
+            parts = name.split(".")
+            if parts[:2] == ["tessera", "models"]:
+                deps.add(parts[2] if len(parts) > 2 and parts[2] in modules else "__init__")
+    return deps - {path.stem}
+
+
+def test_models_import_no_cycle_and_no_distributed():
+    """The single-device models form an import DAG (the block picks its feed-forward from feed_forward.py
+    and moe.py, neither of which imports the block back) and never touch torch.distributed."""
+    files = {f.stem: f for f in Path(tessera.models.__file__).parent.glob("*.py")}
+    graph = {name: _model_imports(f, set(files)) for name, f in files.items()}
+    assert "moe" in graph["layers"] and "feed_forward" in graph["moe"]  # the graph is really read
+    done, path = set(), []
+
+    def visit(name):
+        assert name not in path, f"import cycle: {' -> '.join(path + [name])}"
+        if name in done:
+            return
+        path.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_feed_forward_parameter_names_are_stable():
+    """Checkpoints and parity key on these names: a dense block's SwiGLU and an MoE block's router,
+    experts, residual MLP and shared experts."""
+    torch.manual_seed(0)
+    moe = Transformer(model_config("tiny", n_layers=2, num_experts=2, moe_every=2),
+                      MoEConfig(use_residual=True, num_shared_experts=1))
+    names = [n for n, _ in moe.named_parameters() if ".feed_forward." in n]
+    swiglu = ["w1.weight", "w3.weight", "w2.weight"]
+    expected = [f"layers.0.feed_forward.{w}" for w in swiglu]
+    expected += ["layers.1.feed_forward.router.gate.weight"]
+    expected += [f"layers.1.feed_forward.experts.{e}.{w}" for e in range(2) for w in swiglu]
+    expected += [f"layers.1.feed_forward.residual_mlp.{w}" for w in swiglu]
+    expected += ["layers.1.feed_forward.residual_coef.weight"]
+    expected += [f"layers.1.feed_forward.shared_experts.{w}" for w in swiglu]
+    assert names == expected

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from tessera.comm import CommGroup
+from tessera.grad_norm import clip_grad_norm
 from tessera.models import Transformer, cross_entropy_sum, model_config
 from tessera.models.moe import MoEConfig, MoEFeedForward, moe_loss_sum
 from tessera.moe import (
     ExpertDataParallel,
     apply_expert_parallel,
-    clip_grad_norm_moe,
+    expert_parameters,
     global_expert_state,
     moe_metrics,
 )
@@ -75,7 +76,9 @@ def train(model, inner, dp: CommGroup, ep: CommGroup, rank: int, world: int, acc
         out["metrics"].append(moe_metrics(model, dp))
         if step == 0:
             out["grads"] = global_names(inner, {n: p.grad.clone() for n, p in inner.named_parameters()})
-            out["grad_norm"] = clip_grad_norm_moe(inner, 0.0, ep)  # measure only
+            experts = {id(p) for p in expert_parameters(inner)}  # split over ep; dense weights replicated
+            out["grad_norm"] = clip_grad_norm(inner.parameters(), {"ep": ep}, 0.0,  # 0: measure only
+                                              axes_of=lambda p: ("ep",) if id(p) in experts else ())
         opt.step()
         opt.zero_grad(set_to_none=True)
     out["params"] = global_names(inner, {n: p.detach().clone() for n, p in inner.named_parameters()})

@@ -4,6 +4,9 @@ Few, shared jobs (each costs process start-up): one BSP run is the reference for
 the bytes comparison and the resume test.
 """
 
+import socket
+
+import psutil
 import pytest
 import torch
 
@@ -19,10 +22,43 @@ AUC_MARGIN = 0.02  # ASP / SSP must reach the BSP run's AUC within this
 pytestmark = pytest.mark.slow  # every test here starts server and worker processes
 
 
+def listening_sockets() -> list[tuple[str, str, str]]:
+    """(process, address, kind) of every listening socket of this process and its children: TCP
+    listeners, and UNIX sockets bound to an address (TensorPipe's shm transport)."""
+    found = []
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            conns = proc.net_connections("all")
+        except psutil.NoSuchProcess:
+            continue
+        for c in conns:
+            if c.family in (socket.AF_INET, socket.AF_INET6) and c.status == psutil.CONN_LISTEN:
+                found.append((str(proc.pid), c.laddr.ip, "tcp"))
+            elif c.family == socket.AF_UNIX and c.laddr:
+                found.append((str(proc.pid), c.laddr, "unix"))
+    return found
+
+
+def run_watching_sockets(cfg: PSConfig, steps: int, at_step: int = 2, **kw) -> tuple[dict, list]:
+    """Run a job; while worker 0 finishes step ``at_step`` (every role alive), list the listening sockets
+    the job opened (those of processes this test session had already started, such as the rank pool's
+    workers, are left out)."""
+    seen: list = []
+    before = set(listening_sockets())
+
+    def progress(step):
+        if step == at_step and not seen:
+            seen.extend(s for s in listening_sockets() if s not in before)
+
+    return run_ps_job(cfg, steps, seed=0, progress=progress, **kw), seen
+
+
 @pytest.fixture(scope="module")
 def bsp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ps_bsp")
-    return run_ps_job(PSConfig(mode="bsp", **BASE), STEPS, seed=0, out_dir=str(out), want_params=True)
+    run, sockets = run_watching_sockets(PSConfig(mode="bsp", **BASE), STEPS, out_dir=str(out), want_params=True)
+    run["listening"] = sockets
+    return run
 
 
 def test_bsp_equals_single_process_training(bsp_run):
@@ -81,9 +117,33 @@ def test_killed_server_stops_workers_with_its_name_then_resume_matches(bsp_run, 
     with pytest.raises(PSError, match="ps1") as err:
         # the slow worker (50 ms a step) keeps the job from finishing before the kill lands
         run_ps_job(cfg, STEPS, seed=0, out_dir=str(tmp_path), kill_server_at=(1, 10), slow_last_worker=0.05)
-    assert "\n" not in str(err.value)
+    # the spawner saw the server die: the job names it at once (its peers only see it vanish)
+    assert str(err.value) == "ps1 was killed by signal SIGKILL, and the job stopped"
     resumed = run_ps_job(PSConfig(mode="bsp", resume=str(tmp_path / "tables"), **BASE), STEPS, seed=0,
                          want_params=True)
     assert 8 <= resumed["start_step"] < STEPS
     for name, want in bsp_run["params"].items():
         torch.testing.assert_close(resumed["params"][name], want, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_nothing_listens_beyond_the_configured_loopback_address(bsp_run):
+    """ps.address = 127.0.0.1 (the default): every TCP listener of the job, the launching process's
+    rendezvous store and each role's TensorPipe listeners, is on 127.0.0.1; none on 0.0.0.0 or ::."""
+    tcp = [(pid, ip) for pid, ip, kind in bsp_run["listening"] if kind == "tcp"]
+    assert {ip for _, ip in tcp} == {"127.0.0.1"}
+    assert len({pid for pid, _ in tcp}) == 1 + 2 + 2  # the launcher, 2 servers, 2 workers all listen
+    # the only other listeners: TensorPipe's shm transport, abstract UNIX sockets (this machine only)
+    assert all(str(addr).startswith("\0") or str(addr).startswith("@")
+               for _, addr, kind in bsp_run["listening"] if kind == "unix")
+
+
+def test_the_listeners_follow_a_configured_network_address():
+    from tessera.parameter_server.network import local_addresses
+
+    others = [a for a in local_addresses() if not a.startswith("127.")]
+    if not others:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    cfg = PSConfig(mode="bsp", address=others[0], **{**BASE, "eval_size": 256})
+    run, sockets = run_watching_sockets(cfg, 4, at_step=1)
+    assert run["versions"] == [4, 4]
+    assert {ip for _, ip, kind in sockets if kind == "tcp"} == {others[0]}

@@ -1,5 +1,7 @@
 """Parameter-server pieces in one process: row-wise optimizers vs torch's, AUC, click log, config."""
 
+import re
+
 import pytest
 import torch
 
@@ -66,3 +68,82 @@ def test_resume_from_a_folder_without_tables_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="no complete set of tables"):
         run_ps_job(PSConfig(resume=str(tmp_path)), steps=1)
+
+
+# ---- what a worker may ask of a server over RPC ----
+
+class _Spy:
+    """Stands in for a server and records every attribute looked up on it."""
+
+    name = "ps_spy"
+
+    def __init__(self):
+        object.__setattr__(self, "touched", [])
+
+    def __getattribute__(self, attr):
+        if attr != "touched":
+            object.__getattribute__(self, "touched").append(attr)
+        return object.__getattribute__(self, attr)
+
+    def start_step(self):
+        return 7
+
+    def load(self, folder):  # a real server method that no worker may call
+        raise AssertionError("called")
+
+
+@pytest.mark.parametrize("method", ["__class__", "__init__", "load", "load_state", "save", "_apply", "_wait",
+                                    "tables", 3])
+def test_rpc_refuses_a_method_outside_the_allow_list_without_looking_it_up(monkeypatch, method):
+    from tessera.parameter_server import server as ps_server
+    from tessera.parameter_server.errors import PSError
+
+    spy = _Spy()
+    monkeypatch.setitem(ps_server._SERVERS, "ps_spy", spy)
+    with pytest.raises(PSError) as err:
+        ps_server.serve_call("ps_spy", method, "/tmp/somewhere")
+    assert str(err.value).startswith("parameter server ps_spy refused the RPC method ")
+    assert "workers may call only final_state, pull, push, start_step" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert spy.touched == []  # refused before anything of the server was looked up, let alone called
+    assert ps_server.serve_call("ps_spy", "start_step") == 7  # an allowed method goes through ...
+    assert spy.touched == ["start_step"]
+    with pytest.raises(PSError, match="no parameter server named 'ps9'"):  # ... to a server this process hosts
+        ps_server.serve_call("ps9", "start_step")
+
+
+def test_the_allow_list_is_exactly_what_the_client_calls():
+    import inspect
+
+    from tessera.parameter_server import client
+    from tessera.parameter_server.server import RPC_METHODS, ParameterServer
+
+    called = set(re.findall(r'self\._call\("(\w+)"', inspect.getsource(client.PSClient)))
+    assert called == RPC_METHODS
+    assert all(callable(getattr(ParameterServer, m)) for m in RPC_METHODS)
+
+
+# ---- where the RPC listens ----
+
+def test_the_listening_interface_follows_the_configured_address():
+    from tessera.parameter_server.network import interface_address, listen_interface, local_addresses
+
+    name, address = listen_interface("127.0.0.1")
+    assert address == "127.0.0.1" and interface_address(name) == "127.0.0.1"
+    assert listen_interface("localhost")[1] == "127.0.0.1"  # a name is resolved
+    for other in local_addresses():  # every interface's own address maps back to it
+        assert interface_address(listen_interface(other)[0]) == other
+
+
+@pytest.mark.parametrize("address, says", [
+    ("0.0.0.0", "means every interface"),
+    ("198.51.100.7", "is not the (first) IPv4 address of any network interface"),
+    ("no-such-host.invalid", "does not resolve"),
+])
+def test_an_address_no_interface_holds_is_refused_before_anything_starts(address, says):
+    from tessera.parameter_server.network import local_addresses
+
+    assert address not in local_addresses()
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        PSConfig(address=address).validate()
+    assert str(err.value).startswith(f"ps.address '{address}' ") and "\n" not in str(err.value)

@@ -1,5 +1,5 @@
 """The trainer's pipeline adapter (PipelineStep) on gloo ranks against one process running
-``tessera.train.step.forward_backward`` + ``tessera.train.optim.clip_grad_norm`` + AdamW, with clipping active."""
+``tessera.train.step.forward_backward`` + ``tessera.grad_norm.clip_grad_norm`` + AdamW, with clipping active."""
 
 import json
 import math
@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from tessera.comm import CommGroup
+from tessera.data_parallel import DDPConfig
+from tessera.grad_norm import clip_grad_norm
 from tessera.models import Transformer, model_config
 from tessera.pipeline import PipelineConfig
 from tessera.topology import ParallelConfig, Topology
-from tessera.train.optim import OptimConfig, build_optimizer, clip_grad_norm
+from tessera.train.optim import OptimConfig, build_optimizer
 from tessera.train.pipeline_step import PipelineStep
 from tessera.train.step import IGNORE_INDEX, evaluate, forward_backward
 
@@ -24,9 +26,12 @@ MAX_NORM = 0.05  # well below the tiny model's gradient norm, so clipping happen
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=MAX_NORM)
 
 
-def make_model(tie: bool) -> Transformer:
+def make_model(tie: bool, spare: bool = False) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(model_config("tiny", n_layers=LAYERS, tie_embeddings=tie))
+    model = Transformer(model_config("tiny", n_layers=LAYERS, tie_embeddings=tie))
+    if spare:  # a parameter of stage 0 that no forward reaches (made after the model: its weights are unchanged)
+        model.layers["0"].spare = torch.nn.Linear(4, 4)
+    return model
 
 
 def global_batch(step: int):
@@ -50,35 +55,41 @@ def val_batches(dp_rank: int, dp: int):
     return [sampler_batches(100 + i, dp_rank, dp) for i in range(2)]
 
 
-def single_process(dp: int, tie: bool):
+def single_process(dp: int, tie: bool, spare: bool = False):
     """One process on the same global batches (dp replicas' micro-batches in rank order)."""
-    model = make_model(tie)
+    model = make_model(tie, spare)
     opt = build_optimizer(model, OPTIM)
     single = CommGroup.single("dp")
     losses, norms = [], []
     for step in range(STEPS):
         batches = [mb for r in range(dp) for mb in sampler_batches(step, r, dp)]
         losses.append(forward_backward(model, batches, single, torch.device("cpu")).loss)
-        norms.append(clip_grad_norm(model.parameters(), MAX_NORM))
+        norms.append(clip_grad_norm(model.parameters(), {}, MAX_NORM))  # one process: no norm axes
         opt.step()
         opt.zero_grad(set_to_none=True)
     val = [[mb for r in range(dp) for mb in val_batches(r, dp)[i]] for i in range(2)]
     ev = evaluate(model, val, single, torch.device("cpu"))
     moved = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
-                                                               make_model(tie).state_dict().values()))
+                                                               make_model(tie, spare).state_dict().values()))
     return {"losses": losses, "norms": norms, "eval": ev, "moved": moved,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def step_worker(rank, world_size, pp, schedule, m, v=1, tie=False, steps=STEPS, timeline_dir=None):
+def step_worker(rank, world_size, pp, schedule, m, v=1, tie=False, steps=STEPS, timeline_dir=None,
+                ddp=DDPConfig(), spare=False):
     topo = Topology.build(ParallelConfig(pp=pp, dp_replicate=world_size // pp, timeout_s=60))
     try:
         dp = topo.group("dp")
         cfg = PipelineConfig(schedule=schedule, microbatches=m, virtual_stages=v)
-        ps = PipelineStep(make_model(tie), cfg, topo, torch.device("cpu"), OPTIM)
-        losses, norms = [], []
+        ps = PipelineStep(make_model(tie, spare), cfg, topo, torch.device("cpu"), OPTIM, ddp=ddp)
+        losses, norms, dp_all_reduces = [], [], []
         for step in range(steps):
+            mark = topo.ledger.stats()
             result = ps.forward_backward(sampler_batches(step, dp.rank, dp.size))
+            stat = topo.ledger.since(mark).get(("dp", "all_reduce"))
+            dp_all_reduces.append(stat.count if stat else 0)
+            if step == 0:
+                spare_grad = _grad_state(ps)
             losses.append(result.loss)
             norms.append(ps.clip_grad_norm(MAX_NORM))  # PipeDream: the norm of its in-schedule update
             if not ps.steps_inside:
@@ -87,12 +98,22 @@ def step_worker(rank, world_size, pp, schedule, m, v=1, tie=False, steps=STEPS, 
         out = {"losses": losses, "norms": norms, "eval": ps.evaluate(val_batches(dp.rank, dp.size)),
                "params": {k: v.detach().clone() for k, v in ps.state_dict().items()},
                "names": sorted(n for n, _ in ps.named_parameters()), "tokens": result.tokens,
-               "dp_rank": dp.rank, "pp_rank": topo.coord("pp")}
+               "dp_rank": dp.rank, "pp_rank": topo.coord("pp"), "spare_grad": spare_grad,
+               "n_buckets": len(ps.reducer.buckets) if ps.reducer else 0, "dp_all_reduces": dp_all_reduces}
         if timeline_dir is not None:
             out["timeline"] = ps.write_timeline(timeline_dir)
         return out
     finally:
         topo.destroy()
+
+
+def _grad_state(ps) -> str | None:
+    """The spare parameter's gradient after a step's reduction: "none", "zeros" or "values" (None: not here)."""
+    layer = ps.module.layers["0"] if "0" in ps.module.layers else None
+    if layer is None or not hasattr(layer, "spare"):
+        return None
+    grad = layer.spare.weight.grad
+    return "none" if grad is None else ("zeros" if not grad.any() else "values")
 
 
 def assert_matches(results, ref, pp):
@@ -152,6 +173,62 @@ def test_write_timeline_writes_trace_and_gantt(rank_pool, tmp_path):
         names = [e["name"] for e in spans if e["tid"] == rank and e["cat"] == "compute"]
         assert sum(n.startswith("F") for n in names) == 4 and sum(n.startswith("B") for n in names) == 4
     assert all(math.isfinite(e["dur"]) for e in spans)
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.01])
+def test_pipeline_dp_reduction_takes_ddp_bucket_mb(rank_pool, bucket_mb):
+    """The stage gradients are summed over dp by the data-parallel reducer in ``ddp.bucket_mb`` buckets:
+    one all-reduce per bucket (plus the token count and the loss), and the result is unchanged."""
+    results = rank_pool.run(step_worker, 4, pp=2, schedule="1f1b", m=2, ddp=DDPConfig(bucket_mb=bucket_mb))
+    assert_matches(results, single_process(2, False), 2)
+    for r in results:
+        assert (r["n_buckets"] == 1) if bucket_mb == 25.0 else (r["n_buckets"] > 5)
+        assert r["dp_all_reduces"] == [r["n_buckets"] + 2] * STEPS
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_pipeline_dp_reduction_takes_find_unused_parameters(rank_pool, find_unused):
+    """A stage parameter no micro-batch reached on any dp rank keeps grad=None with
+    ``ddp.find_unused_parameters`` (AdamW then leaves it alone, as in one process); without it, it gets
+    zeros (and only AdamW's decoupled weight decay moves it, by (1 - lr·wd) per step)."""
+    results = rank_pool.run(step_worker, 4, pp=2, schedule="1f1b", m=2, spare=True,
+                            ddp=DDPConfig(find_unused_parameters=find_unused))
+    ref = single_process(2, False, spare=True)
+    if not find_unused:
+        ref["params"]["layers.0.spare.weight"] *= (1 - OPTIM.lr * OPTIM.weight_decay) ** STEPS
+    assert_matches(results, ref, 2)
+    holders = [r for r in results if r["pp_rank"] == 0]
+    assert len(holders) == 2 and all(r["spare_grad"] == ("none" if find_unused else "zeros") for r in holders)
+    for r in results:  # the holder count is one more small all-reduce over dp per step
+        assert r["dp_all_reduces"] == [r["n_buckets"] + 2 + find_unused] * STEPS
+
+
+def scale_worker(rank, world_size):
+    topo = Topology.build(ParallelConfig(pp=2, dp_replicate=world_size // 2, timeout_s=60))
+    try:
+        dp = topo.group("dp")
+        ps = PipelineStep(make_model(False), PipelineConfig(schedule="1f1b", microbatches=2), topo,
+                          torch.device("cpu"), OPTIM)
+        grads, losses = {}, []
+        for scale in (1.0, 1024.0):
+            losses.append(ps.forward_backward(sampler_batches(0, dp.rank, dp.size), loss_scale=scale).loss)
+            grads[scale] = [p.grad.clone() for p in ps.parameters()]
+            finite = ps.unscale_gradients(1.0 / scale)
+            unscaled = [p.grad.clone() for p in ps.parameters()]
+            ps.zero_grad()
+        return {"scaled": all(torch.equal(b, a * 1024) for a, b in zip(grads[1.0], grads[1024.0])),
+                "unscaled": all(torch.equal(a, b) for a, b in zip(grads[1.0], unscaled)), "finite": finite,
+                "losses": losses}
+    finally:
+        topo.destroy()
+
+
+def test_pipeline_applies_and_divides_out_a_loss_scale(rank_pool):
+    """forward_backward(loss_scale=S) gives S times the gradients (exactly, S a power of two) and the
+    same reported loss; unscale_gradients(1/S) gives back the unscaled ones and agrees they are finite."""
+    res = rank_pool.run(scale_worker, 4)
+    assert all(r["scaled"] and r["unscaled"] and r["finite"] for r in res)
+    assert all(r["losses"][0] == r["losses"][1] == res[0]["losses"][0] for r in res)
 
 
 def async_worker(rank, world_size, pp, schedule):

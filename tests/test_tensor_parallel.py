@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tessera.errors import ConfigError
+from tessera.grad_norm import clip_grad_norm
 from tessera.models import Transformer, cross_entropy_sum, model_config
 from tessera.recompute import RecomputeConfig, apply_checkpointing, transformer_blocks
 from tessera.tensor_parallel import (
@@ -13,7 +14,7 @@ from tessera.tensor_parallel import (
     TensorParallelRNG,
     apply_tensor_parallel,
     gather_logits,
-    grad_norm,
+    is_sharded,
 )
 from tessera.topology import ParallelConfig, Topology
 
@@ -44,8 +45,11 @@ def train(model, loss_fn, steps=STEPS):
         losses.append(float(s.detach()) / n)
         if grads is None:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-            norm = float(grad_norm(model.parameters(), model.tensor_parallel[0])) \
-                if hasattr(model, "tensor_parallel") else float(torch.cat([g.flatten() for g in grads.values()]).norm())
+            if hasattr(model, "tensor_parallel"):  # split weights over tp, the rest replicated; 0: measure only
+                norm = clip_grad_norm(model.parameters(), {"tp": model.tensor_parallel[0]}, 0.0,
+                                      axes_of=lambda p: ("tp",) if is_sharded(p) else ())
+            else:
+                norm = float(torch.cat([g.flatten() for g in grads.values()]).norm())
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": grads, "norm": norm,

@@ -4,8 +4,10 @@ import itertools
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from tessera.device import comm_device
 from tessera.errors import ConfigError
 from tessera.topology import GRID_AXES, ParallelConfig, Topology, parse_order, validate_degrees
 
@@ -48,6 +50,18 @@ def test_world_size_one_needs_no_process_group():
         g = topo.group(name)
         assert g.size == 1 and g.pg is None and g.rank == 0
     assert topo.device_mesh() is None
+
+
+def test_groups_carry_the_device_their_tensors_must_live_on():
+    """Derived from the backend (gloo, fake, none: the CPU; NCCL: the rank's accelerator, see test_gpu.py),
+    or given; every group of a topology has it, size-1 groups too, and keeps it after destroy()."""
+    assert [comm_device(b) for b in (None, "gloo", "fake")] == [torch.device("cpu")] * 3
+    assert {Topology.build(ParallelConfig()).group(n).device for n in GRID_AXES} == {torch.device("cpu")}
+    topo = Topology.build(ParallelConfig(), device="meta")
+    assert topo.device == torch.device("meta")
+    assert {topo.group(n).device for n in topo.names} == {torch.device("meta")}
+    topo.destroy()
+    assert topo.group("dp").device == torch.device("meta")
 
 
 def test_layout_is_a_partition_for_every_axis():
@@ -113,6 +127,7 @@ def _check_rank(topo: Topology, cfg: ParallelConfig) -> None:
     for name in topo.names:
         g = topo.group(name)
         assert topo.rank in g.ranks and g.ranks[g.rank] == topo.rank
+        assert g.device == torch.device("cpu")  # derived from the (fake) backend: no accelerator
         if g.size > 1:
             assert tuple(dist.get_process_group_ranks(g.pg)) == g.ranks
         else:

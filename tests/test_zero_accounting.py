@@ -105,3 +105,37 @@ def test_zero12_move_ddps_bytes_and_zero3_one_and_a_half_times(rank_pool, world)
     assert ratios[1] == pytest.approx(1.0, rel=0.02)
     assert ratios[2] == pytest.approx(1.0, rel=0.02)
     assert ratios[3] == pytest.approx(1.5, rel=0.02)
+
+
+def live_buckets_worker(rank, world_size, stage):
+    """One backward of ZeRO-``stage`` with the trainer's two param groups (matrices with weight decay,
+    vectors without) and small buckets: the most bucket buffers of full gradients alive at any gradient
+    hook, and how many buckets started reducing during backward."""
+    topo = Topology.build(ParallelConfig(dp_replicate=1, dp_shard=world_size))
+    try:
+        torch.manual_seed(0)
+        model = Transformer(model_config("tiny"))
+        engine = shard_model(model, groups(model), lambda g: torch.optim.AdamW(g, lr=1e-3), topo, stage,
+                             ZeroConfig(bucket_mb=0.02), PrecisionConfig(), CPU, block_class=TransformerBlock)
+        peak = [0]
+
+        def count(p):
+            peak[0] = max(peak[0], sum(b.grads.buffer is not None for b in engine.buckets))
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(count)
+        forward_backward(engine, batches(0, rank), topo.group("dp"), CPU)
+        return {"peak": peak[0], "n": len(engine.buckets), "early": engine.reducer.early_launches}
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_reduces_during_backward_and_zero2_frees_as_it_goes(rank_pool, stage):
+    """Buckets launch in the order backward fills them (not grouped by param group), so most start
+    during backward; ZeRO-2 then holds only the bucket filling, the one reducing, and the small bucket of
+    vectors (filled from the last layer's norm to the first's) — not every bucket of full gradients."""
+    for r in rank_pool.run(live_buckets_worker, 2, stage=stage):
+        assert r["n"] >= 5 and r["early"] >= r["n"] - 2
+        assert r["peak"] <= 3 if stage == 2 else r["peak"] == r["n"]

@@ -1,6 +1,6 @@
 """``tessera`` command line.
 
-    tessera train [--config FILE] [--nproc N] [--section.key=value ...]
+    tessera train [--config FILE] [--nproc N] [--dry-run] [--section.key=value ...]
     tessera plan --model NAME --gpus N --gpu NAME [...]
     tessera export CHECKPOINT [--out FILE.safetensors]
 
@@ -14,12 +14,15 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from tessera import __version__
 from tessera.errors import UserError
 
 EPILOG = """with no --config, --nproc or layout key, the 3D-parallel demo runs: dp2 x tp2 x pp2 on 8 local
 ranks (configs/default.toml)
+--dry-run: every check of a launch, then the layout, run folder, each rank's role and the predicted
+  memory per rank; starts nothing (any world size, for example --nproc 64 --dry-run)
 overrides: any config key as --section.key=value, for example
   --model.preset=tiny --train.steps=50 --parallel.dp_replicate=2 --data.corpus=path/to/texts
 sections: run, model, parallel, ddp, optim, data, train, checkpoint, zero, precision, checkpointing,
@@ -27,24 +30,35 @@ sections: run, model, parallel, ddp, optim, data, train, checkpoint, zero, preci
 parameter-server mode: --model.preset=ctr --ps.servers=2 --ps.workers=2 --ps.mode=ssp --ps.staleness=2"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, ``tessera: error: …``, with exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"tessera: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", allow_abbrev=False,
-                                     description="Train large models with every form of parallelism.")
+    parser = _Parser(prog="tessera", allow_abbrev=False,
+                     description="Train large models with every form of parallelism.")
     parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", allow_abbrev=False, help="train a model",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="a TOML file (see configs/); defaults apply where it is silent")
-    train.add_argument("--nproc", type=int, help="local ranks to spawn (default run.nproc); ignored "
-                       "under torchrun, which decides the world size")
+    train.add_argument("--nproc", type=int, help="local ranks to spawn (sets run.nproc); ignored under "
+                       "torchrun, which decides the world size")
+    train.add_argument("--dry-run", action="store_true", help="check everything, print the layout, run "
+                       "folder, rank roles and predicted memory per rank, and start nothing")
     from tessera.planner.command import add_plan_parser
 
     add_plan_parser(sub)
-    export = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file",
+    export = sub.add_parser("export", allow_abbrev=False,
+                            help="write a checkpoint's model weights as one safetensors file",
                             description="Consolidate a checkpoint written under any parallel layout into "
                                         "one safetensors file of single-process parameter names.")
     export.add_argument("checkpoint", help="a checkpoint folder (runs/<name>/checkpoint/step_<n>)")
-    export.add_argument("--out", help="the .safetensors file to write (default: <checkpoint>.safetensors beside the folder)")
+    export.add_argument("--out", help="the .safetensors file to write (default: <checkpoint>.safetensors "
+                        "beside the folder)")
     return parser
 
 
@@ -69,41 +83,93 @@ def with_demo_layout(args: argparse.Namespace, overrides: list[str]) -> list[str
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from tessera.device import resolve_device
-    from tessera.launch import env_world_size, launch_local, rank_entry, run_rank, under_torchrun
-    from tessera.train.config import load_config, validate_config
-    from tessera.train.data import load_corpus
+    from tessera.launch import env_world_size, under_torchrun
+    from tessera.train.config import load_config
 
+    if args.nproc is not None:  # the same as --run.nproc=N, so validation sees it as the user's setting
+        overrides = [*overrides, f"--run.nproc={args.nproc}"]
     cfg = load_config(args.config, with_demo_layout(args, overrides))
     if cfg.model_preset == "ctr":  # parameter-server mode: its own server and worker processes (see [ps])
-        from tessera.parameter_server.runner import train_ctr
-
-        print(json.dumps(train_ctr(cfg), indent=2))
-        return 0
-    if args.nproc is not None:
-        cfg.run.nproc = args.nproc
+        return _train_ctr(cfg, args.dry_run)
     ranked = under_torchrun()  # torchrun made this process one rank and decided the world size
     world = env_world_size() if ranked else cfg.run.nproc
+    lead = not ranked or os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
+    parallel = resolve_job(cfg, world, announce=lead)
+    if args.dry_run:
+        return _dry_run(cfg, parallel, world, lead)
+    if ranked:  # the ranks' own load checks the checkpoint, and rank 0 creates the run folder
+        from tessera.launch import rank_entry
+
+        summary = rank_entry(cfg)
+        if lead:
+            print(_report(summary))
+        return 0
+    summary = _launch(cfg, parallel, world)
+    print(_report(summary))  # rank 0's
+    return 0
+
+
+def resolve_job(cfg, world: int, announce: bool = True):
+    """Fill in ``parallel.auto``'s layout, validate everything, and return the resolved ParallelConfig.
+    ``cfg.parallel.auto`` is then cleared: the layout is decided, and the run's config.toml repeats it."""
+    from tessera.train.config import validate_config
+
     if cfg.parallel.auto:
         from tessera.train.auto_layout import apply_auto_layout
 
         chosen = apply_auto_layout(cfg, world)
-        if not ranked or os.environ.get("RANK", "0") == "0":
+        if announce:
             print(f"parallel.auto chose {chosen}", file=sys.stderr)
     validate_config(cfg, world)
-    if not ranked:  # under torchrun every rank would repeat it; the ranks' own load checks the same
-        from tessera.train.resume import check_before_launch
+    cfg.parallel.auto = False
+    return cfg.parallel.resolved(world)
 
-        check_before_launch(cfg)
-    if ranked:
-        summary = rank_entry(cfg)
-        if os.environ.get("RANK", "0") == "0":
-            print(_report(summary))
-        return 0
+
+def _dry_run(cfg, parallel, world: int, lead: bool) -> int:
+    """Every check of a launch, then the report; nothing is started or written."""
+    from tessera.device import resolve_device
+    from tessera.train.dry_run import describe_job
+    from tessera.train.resume import check_before_launch
+    from tessera.train.rundir import prepare_run_dir
+
     resolve_device(cfg.run.device)
+    resume = check_before_launch(cfg)
+    run_dir = prepare_run_dir(cfg, parallel, create=False)
+    if lead:
+        print(describe_job(cfg, parallel, world, run_dir, resume))
+    return 0
+
+
+def _launch(cfg, parallel, world: int) -> dict:
+    """Check the checkpoint, the device and the run folder (created here, so ranks never meet a folder that
+    cannot be made), build the token cache once, then train on ``world`` local ranks."""
+    from tessera.device import resolve_device
+    from tessera.launch import launch_local, run_rank
+    from tessera.train.data import load_corpus
+    from tessera.train.resume import check_before_launch
+    from tessera.train.rundir import prepare_run_dir
+
+    check_before_launch(cfg)
+    resolve_device(cfg.run.device)
+    prepare_run_dir(cfg, parallel)
     load_corpus(cfg.data, progress=cfg.run.progress)  # build the token cache once, before ranks start
-    summary = launch_local(cfg, world) if world > 1 else run_rank(cfg)
-    print(_report(summary))  # rank 0's
+    return launch_local(cfg, world) if world > 1 else run_rank(cfg)
+
+
+def _train_ctr(cfg, dry_run: bool) -> int:
+    """The parameter-server job: validated like any job; its run folder goes under ``run.out_dir``."""
+    from tessera.train.config import validate_config
+    from tessera.train.dry_run import describe_ctr_job
+    from tessera.train.rundir import prepare_folder
+
+    validate_config(cfg, 1)
+    out_dir = prepare_folder(Path(cfg.run.out_dir), create=not dry_run)
+    if dry_run:
+        print(describe_ctr_job(cfg, out_dir))
+        return 0
+    from tessera.train.ps_run import train_ctr
+
+    print(json.dumps(train_ctr(cfg), indent=2))
     return 0
 
 
@@ -121,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from tessera.checkpoint import export_command
 
+            if rest:
+                raise UserError(f"tessera export does not take {' '.join(rest)}; see tessera export --help")
             return export_command(args.checkpoint, args.out)
         if args.command == "plan":
             from tessera.planner.command import cmd_plan

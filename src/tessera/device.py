@@ -10,10 +10,9 @@ from tessera.errors import ConfigError
 
 def accelerator_type() -> str | None:
     """"cuda" (or another accelerator's name) when one is present, else None."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator().type
-    return "cuda" if torch.cuda.is_available() else None
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return None
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -30,6 +29,15 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else "nccl"
+
+
+def comm_device(backend: str | None) -> torch.device:
+    """Where the tensors handed to a process group of ``backend`` live: the CPU for gloo (and fake, mpi,
+    or no process group), else this rank's current accelerator (NCCL and its kin)."""
+    kind = accelerator_type()
+    if backend is None or backend in ("gloo", "fake", "mpi") or kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
 
 
 def set_device(device: torch.device) -> None:

@@ -13,12 +13,16 @@ reduced and identical there) need no communication: every replica computes the s
 parameters'); reductions run in sorted name order. Communication: one all-reduce of one fp32 value per
 axis of size > 1. Clipping scales every gradient by the same factor on every rank, so replicated
 parameters stay identical.
+
+:func:`clip_grad_norm` is the one entry point every layout clips through (the trainer, the pipeline,
+ZeRO's sharded update and expert-parallel ZeRO); each passes its pieces (or parameters and
+``axes_of``) and the layout's norm axes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -53,8 +57,39 @@ def global_grad_norm(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
     return sq.sqrt()
 
 
+def clip_grad_norm(grads: Iterable[GradPiece] | Iterable[torch.nn.Parameter], axes: Mapping[str, CommGroup],
+                   max_norm: float, axes_of: Callable[[torch.nn.Parameter], Iterable[str]] | None = None,
+                   device: torch.device | None = None, scale: Iterable[torch.Tensor] | None = None) -> float:
+    """The one clipping entry point of every layout: scale the gradients in place by
+    min(1, max_norm / ‖g‖) (``max_norm`` ≤ 0: only measure) and return ‖g‖ before clipping, the same
+    float on every rank.
+
+    ``grads``: parameters — one piece per distinct parameter with a gradient, sharded on ``axes_of(p)``
+    (default: on no axis) — or :class:`GradPiece` s already built (a ZeRO engine's slices).
+    ``axes``: the layout's norm axes, the same names on every rank (``tessera.parallelize.norm_axes``,
+    plus a ZeRO engine's shard group). ``device``: where the one-float sums live (the groups' device);
+    default the first gradient's, and then a rank without any gradient returns 0.0 and communicates
+    nothing. ``scale``: the tensors to multiply (default: the pieces' own gradients; pass the whole
+    tensors when the pieces are views of them).
+    """
+    items = list(grads)
+    if items and isinstance(items[0], GradPiece):
+        if axes_of is not None:
+            raise TypeError("axes_of applies to parameters; GradPieces carry their own axes")
+        pieces = items
+    else:
+        pieces = _param_pieces(items, axes_of or (lambda p: ()))
+    if device is None:
+        if not pieces:
+            return 0.0
+        device = pieces[0].grad.device
+    norm = global_grad_norm(pieces, axes, device)
+    _scale_to([p.grad for p in pieces] if scale is None else scale, norm, max_norm)
+    return float(norm)
+
+
 @torch.no_grad()
-def scale_to(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+def _scale_to(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
     """Multiply ``grads`` in place by min(1, max_norm / norm) (``max_norm`` ≤ 0: leave them)."""
     if max_norm <= 0:
         return
@@ -63,23 +98,13 @@ def scale_to(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float)
         g.mul_(scale.to(device=g.device, dtype=g.dtype))
 
 
-def clip_pieces(pieces: list[GradPiece], max_norm: float, axes: Mapping[str, CommGroup],
-                device: torch.device, grads: Iterable[torch.Tensor] | None = None) -> float:
-    """Clip to the global norm and return the norm before clipping. ``grads``: the tensors to scale
-    (default: the pieces' own; pass every gradient when some pieces were views or were left out)."""
-    norm = global_grad_norm(pieces, axes, device)
-    scale_to([p.grad for p in pieces] if grads is None else grads, norm, max_norm)
-    return float(norm)
-
-
-def param_pieces(params: Iterable[torch.nn.Parameter], axes_of, always: frozenset = frozenset(),
-                 skip: set[int] = frozenset()) -> list[GradPiece]:
-    """One piece per distinct parameter with a gradient: sharded on ``axes_of(p) | always``; parameters
-    whose id is in ``skip`` (a second copy of a tied weight) are left out."""
-    seen, out = set(skip), []
+def _param_pieces(params: Iterable[torch.nn.Parameter], axes_of) -> list[GradPiece]:
+    """One piece per distinct parameter with a gradient, sharded on ``axes_of(p)`` (a Parameter listed
+    twice, as a tied weight can be, counts once)."""
+    seen, out = set(), []
     for p in params:
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
-        out.append(GradPiece(p.grad, frozenset(axes_of(p)) | always))
+        out.append(GradPiece(p.grad, frozenset(axes_of(p))))
     return out

@@ -1,5 +1,6 @@
-"""Starting ranks: under torchrun this process is one rank; otherwise spawn local ranks through torch's
-elastic launcher (the same agent torchrun uses, with a c10d rendezvous on a free local port).
+"""Starting ranks: under torchrun this process is one rank; otherwise spawn local ranks through
+:func:`tessera.spawn.spawn` (torch's elastic agent, the one torchrun uses, with a c10d rendezvous on a free
+loopback port).
 
 A rank whose call to a peer cannot complete (the peer died, or hung) prints one sentence naming the
 rank, op and axis and exits with code 1; the agent then restarts every rank (up to ``run.max_restarts``
@@ -8,11 +9,8 @@ times, or torchrun's ``--max-restarts``) and the job resumes from its newest che
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import uuid
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -20,6 +18,8 @@ import torch.distributed as dist
 
 from tessera.device import backend_for, resolve_device, set_device
 from tessera.errors import CommError, UserError
+from tessera.spawn import RankFailed, spawn  # noqa: F401 (RankFailed: what the CLI catches from launch_local)
+from tessera.spawn import failure as _failure  # noqa: F401 (the sentence for failed ranks, tested from here)
 
 
 def under_torchrun() -> bool:
@@ -78,54 +78,6 @@ def rank_entry(cfg) -> dict:
 
 
 def launch_local(cfg, nproc: int) -> dict:
-    """Spawn ``nproc`` ranks on this machine and return rank 0's result."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # the agent logs each failed rank's exit with a traceback of its own machinery; the rank's own
-    # error is what matters, and the rank prints it
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tessera-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.run.max_restarts,
-        monitor_interval=0.2, start_method="spawn",
-    )
-    try:
-        with _own_rendezvous_store():
-            results = elastic_launch(config, rank_entry)(cfg)
-    except ChildFailedError as err:
-        raise _failure(err) from None
-    return results[0]
-
-
-@contextmanager
-def _own_rendezvous_store():
-    """While the agent runs: the ranks' group gets a TCP store of its own instead of sharing the
-    rendezvous's. With the shared store a restarted gloo group failed to form in about half of the
-    trials (pytorch/pytorch#135712); with this variable, read by the agent, every restart was clean."""
-    key, before = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    os.environ[key] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
-
-
-class RankFailed(RuntimeError):
-    """A spawned rank exited with an error; the message names each failed rank and why."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _failure(err) -> RankFailed:
-    """One sentence for the ranks that failed; each rank has already printed its own error."""
-    codes = {rank: failure.exitcode for rank, failure in sorted(err.failures.items())}
-    which = ", ".join(f"rank {rank} exited with code {code}" for rank, code in codes.items())
-    user_error = all(code == UserError.exit_code for code in codes.values())
-    return RankFailed(f"{which or 'a rank failed'} (its error is printed above)",
-                      UserError.exit_code if user_error else 1)
+    """Spawn ``nproc`` ranks on this machine (tessera.spawn, restarting them up to ``run.max_restarts``
+    times) and return rank 0's result."""
+    return spawn(rank_entry, nproc, (cfg,), max_restarts=cfg.run.max_restarts)[0]

@@ -18,62 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.composition import validate_composition  # noqa: F401  (re-exported: the rule lives there)
 from tessera.data_parallel import DDPConfig, DistributedDataParallel
-from tessera.errors import ConfigError
 from tessera.precision import PrecisionConfig
 from tessera.recompute import RecomputeConfig, apply_checkpointing, transformer_blocks
 from tessera.topology import Topology
 from tessera.zero import FullyShardedDataParallel, ZeroConfig, ZeroDataParallel
 from tessera.zero.build import shard_model
-
-def _reject(what: str, fix: str) -> None:
-    raise ConfigError(f"{what} is not supported in this version of tessera; {fix}")
-
-
-def validate_composition(cfg) -> None:
-    """Reject strategy pairings this version cannot train; ``cfg`` is a JobConfig (degrees resolved or not).
-
-    Supported (docs/HYBRID.md): dp_replicate × dp_shard (ZeRO 0–3) × tp (+SP) × cp, pp × dp × tp (+SP)
-    with ZeRO 0–1, ep × dp × tp (+SP) with DDP or ZeRO-1/2, mixed precision × dp × tp."""
-    par = cfg.parallel
-    mixed = cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("", "fp32")
-    if par.pp > 1:
-        if cfg.model.num_experts:
-            _reject("pipeline parallelism of a mixture-of-experts model", "set parallel.pp=1")
-        for axis in ("cp", "ep"):
-            if getattr(par, axis) > 1:
-                _reject(f"pipeline parallelism together with parallel.{axis}>1 (stages exchange whole "
-                        f"sequences)", f"set parallel.{axis}=1")
-        if par.zero_stage > 1:
-            _reject("pipeline parallelism together with ZeRO-2/3 (they reduce or gather on every backward, "
-                    "the pipeline runs many)", "use parallel.zero_stage=0 or 1")
-        if mixed or cfg.checkpointing.mode != "none":
-            _reject("pipeline parallelism together with mixed precision or [checkpointing]",
-                    "use precision.dtype=fp32 and checkpointing.mode=none "
-                    "(pipeline.recompute re-materialises stages)")
-        if par.tp > 1 and cfg.pipeline.schedule in ("pipedream", "2bw"):
-            _reject(f"tensor parallelism with the weight-stashing pipeline.schedule={cfg.pipeline.schedule!r}",
-                    "use a flush schedule (gpipe, 1f1b, interleaved or zb-h1)")
-        if par.zero_stage == 1 and cfg.pipeline.schedule == "pipedream":
-            _reject("ZeRO-1 with the asynchronous pipedream schedule (it steps inside the pipeline)",
-                    "use another pipeline.schedule or parallel.zero_stage=0")
-    if par.ep > 1 and par.cp > 1:
-        _reject("expert parallelism together with context parallelism (routing groups would be sequence "
-                "chunks)", "set parallel.cp=1")
-    if par.ep > 1 and par.zero_stage > 2:
-        _reject("expert parallelism together with ZeRO-3 (expert units would gather over edp, not dp)",
-                "use parallel.zero_stage=0, 1 or 2")
-    if par.ep > 1 and par.zero_stage > 0 and par.dp_shard > 1 and par.dp_replicate != 1:
-        _reject("expert parallelism together with hybrid sharding (dense state shards over the whole dp)",
-                "set parallel.dp_shard=1 or parallel.dp_replicate=1")
-    if (par.cp > 1 or par.ep > 1) and mixed:
-        _reject("mixed precision together with context or expert parallelism", "use precision.dtype=fp32")
-    if cfg.model.num_experts and par.cp > 1:
-        _reject("context parallelism of a mixture-of-experts model (routing groups would be sequence "
-                "chunks)", "set parallel.cp=1")
-    if par.tp > 1 and cfg.tensor_parallel.mode != "1d":
-        _reject(f"training with tensor_parallel.mode={cfg.tensor_parallel.mode!r} (those layers are a library)",
-                "use tensor_parallel.mode=1d")
 
 
 def data_parallel_group(topology: Topology):
@@ -111,7 +62,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
             model = expert_zero(model, topology, param_groups, make_optimizer, topology.config.zero_stage,
                                 zero or ZeroConfig(), norm_axes(topology), sharded_axes(model, topology))
         else:
-            model = expert_parallelize(model, topology)
+            model = expert_parallelize(model, topology, ddp)
     if tp_cfg is not None and tp_cfg.sequence_parallel:
         whole_moe_under_sp(unwrap(model), topology.group("tp"))
     if topology.size("ep") > 1:
@@ -160,7 +111,8 @@ def whole_moe_under_sp(model: nn.Module, tp) -> None:
 
 def norm_axes(topology: Topology, pipeline: bool = False) -> dict:
     """The axes along which some parameter's gradient is split (the job-wide norm sums over them):
-    tp, ep, and pp for a pipeline; a ZeRO engine adds its shard group. See ``tessera.grad_norm``."""
+    tp, ep, and pp for a pipeline; a ZeRO engine adds its shard group. The ``axes`` argument of
+    ``tessera.grad_norm.clip_grad_norm``, which every clipping path calls."""
     axes = {a: topology.group(a) for a in ("tp", "ep") if topology.size(a) > 1}
     if pipeline and topology.size("pp") > 1:
         axes["pp"] = topology.group("pp")
@@ -169,7 +121,7 @@ def norm_axes(topology: Topology, pipeline: bool = False) -> dict:
 
 def sharded_axes(model: nn.Module, topology: Topology):
     """``axes_of(parameter) -> frozenset``: "tp" for tensor-parallel splits, "ep" for experts (every
-    other parameter is replicated along those axes)."""
+    other parameter is replicated along those axes); the ``axes_of`` of ``tessera.grad_norm.clip_grad_norm``."""
     from tessera.tensor_parallel.linear import is_sharded as tp_sharded
 
     experts = set()

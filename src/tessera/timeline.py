@@ -1,4 +1,5 @@
-"""Timeline: the start and end of every compute and communication action on every rank (DESIGN.md §3).
+"""Timeline: the start and end of every compute and communication action on every rank, one of the three
+instruments (with the CommLedger and the MemoryLedger) by which a run shows what it did.
 
 Any strategy records spans (``with timeline.span("F0.3", "compute"):`` or ``timeline.add(...)``);
 :func:`gather` brings every rank's events to all ranks; :func:`write_chrome_trace` writes Chrome-trace JSON
@@ -56,21 +57,23 @@ class Timeline:
 
 
 def gather(timeline: Timeline, group) -> list[Event]:
-    """Every rank's events of ``group`` (a tessera CommGroup), on every rank: pickled, padded, gathered."""
+    """Every rank's events of ``group`` (a tessera CommGroup), on every rank: pickled, padded to the
+    longest rank's bytes, gathered on the group's device (NCCL needs the accelerator), unpickled on the host."""
     from tessera import comm  # the timeline itself stays usable without a process group
 
     if group.size == 1:
         return list(timeline.events)
     blob = torch.frombuffer(bytearray(pickle.dumps(timeline.events)), dtype=torch.uint8)
-    sizes = torch.zeros(group.size, dtype=torch.int64)
-    comm.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64), group)
-    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    padded[: blob.numel()] = blob
-    out = torch.zeros(group.size * padded.numel(), dtype=torch.uint8)
+    sizes = torch.zeros(group.size, dtype=torch.int64, device=group.device)  # [N] bytes per rank
+    comm.all_gather(sizes, torch.tensor([blob.numel()], dtype=torch.int64, device=group.device), group)
+    sizes = sizes.tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=group.device)
+    padded[: blob.numel()] = blob.to(group.device)
+    out = torch.zeros(group.size * padded.numel(), dtype=torch.uint8, device=group.device)  # [N * max]
     comm.all_gather(out, padded, group)
     events: list[Event] = []
-    for r, chunk in enumerate(out.view(group.size, -1)):
-        events += pickle.loads(chunk[: int(sizes[r])].numpy().tobytes())
+    for r, chunk in enumerate(out.view(group.size, -1).cpu()):
+        events += pickle.loads(chunk[: sizes[r]].numpy().tobytes())
     return events
 
 

@@ -9,6 +9,9 @@ several. Expert parallelism is carved out of the data-parallel ranks: the flatte
 A degree of 1 costs nothing: its group is a size-1 ``CommGroup`` with no process group, and every
 collective on it is skipped. World size 1 therefore needs no special code in callers and no
 ``init_process_group`` at all.
+
+Every group carries the device its collectives' tensors must live on (the rank's accelerator under NCCL,
+the CPU under gloo), which ``tessera.comm`` checks on every call, size-1 groups included.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from tessera.comm.group import CommGroup
 from tessera.comm.ledger import CommLedger
+from tessera.device import comm_device
 from tessera.errors import ConfigError
 
 GRID_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -147,8 +152,10 @@ class Topology:
     appear in ascending order, so a group's local rank follows the global rank.
     """
 
-    def __init__(self, cfg: ParallelConfig, world_size: int, rank: int, partitions, groups, ledger):
+    def __init__(self, cfg: ParallelConfig, world_size: int, rank: int, partitions, groups, ledger,
+                 device: torch.device = torch.device("cpu")):
         self.config = cfg
+        self.device = device  # every group's device
         self.world_size = world_size
         self.rank = rank
         self.ledger = ledger
@@ -158,13 +165,19 @@ class Topology:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: ParallelConfig, ledger: CommLedger | None = None) -> Topology:
+    def build(cls, cfg: ParallelConfig, ledger: CommLedger | None = None,
+              device: torch.device | str | None = None) -> Topology:
         """Create the groups collectively (every rank must call this, in the same order).
 
-        Without an initialised process group the world is one rank and no group is created.
+        Without an initialised process group the world is one rank and no group is created. ``device``
+        is the groups' device, where every tensor handed to their collectives must live; by default the
+        one the default process group's backend uses (the current accelerator for NCCL, else the CPU).
+        A one-process run on an accelerator passes its device (there is no backend to derive it from).
         """
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        device = torch.device(device) if device is not None else comm_device(
+            dist.get_backend() if dist.is_initialized() else None)
         cfg = cfg.resolved(world_size)
         ledger = ledger if ledger is not None else CommLedger()
         partitions = cls.layout(cfg)
@@ -177,8 +190,8 @@ class Topology:
             # whether to create groups (creation is collective).
             if len(mine) > 1 and not all(p in pgs for p in parts):
                 pgs.update(_new_partition(parts, timeout))
-            groups[name] = CommGroup(name, pgs.get(mine), mine, rank, ledger, timeout)
-        return cls(cfg, world_size, rank, partitions, groups, ledger)
+            groups[name] = CommGroup(name, pgs.get(mine), mine, rank, ledger, timeout, device)
+        return cls(cfg, world_size, rank, partitions, groups, ledger, groups["world"].device)  # with its index
 
     @staticmethod
     def layout(cfg: ParallelConfig) -> dict[str, list[tuple[int, ...]]]:
@@ -213,11 +226,13 @@ class Topology:
         degrees = " ".join(f"{a}={self.size(a)}" for a in (*GRID_AXES, "ep") if self.size(a) > 1)
         return f"{self.world_size} rank(s): {degrees or 'single process'} (order {self.config.order})"
 
-    def device_mesh(self, device_type: str = "cpu"):
-        """A torch DeviceMesh over the axes of degree > 1, named by axis, reusing this topology's groups.
+    def device_mesh(self, device_type: str | None = None):
+        """A torch DeviceMesh over the axes of degree > 1, named by axis, reusing this topology's groups
+        (on the groups' device type unless ``device_type`` is given).
 
         Used by DTensor-based baselines; returns None when the world is one rank.
         """
+        device_type = device_type or self.device.type
         if self._mesh is None and self.world_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -237,7 +252,7 @@ class Topology:
             if g.pg is not None and id(g.pg) not in seen and g.pg is not dist.GroupMember.WORLD:
                 seen.add(id(g.pg))
                 dist.destroy_process_group(g.pg)
-        self._groups = {name: CommGroup(name, None, (self.rank,), self.rank, self.ledger, g.timeout)
+        self._groups = {name: CommGroup(name, None, (self.rank,), self.rank, self.ledger, g.timeout, g.device)
                         for name, g in self._groups.items()}
 
 

@@ -7,6 +7,7 @@ on several ranks) share one ``MetadataIndex`` and DCP's ``dedup_save_plans`` kee
 
 Loading: for each piece, ``create_read_items_for_chunk_list`` intersects its rectangle with every saved
 chunk of that name (DCP's resharding); each read item lands in the piece's view narrowed to the overlap.
+A name saved as a DCP bytes item (``LoadItemType.BYTE_IO``: a pickled object) is refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.pieces import Piece
 
 
@@ -132,8 +135,16 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         items: list[ReadItem] = []
         for p in self.pieces.values():
-            items += read_items(p, self.metadata.state_dict_metadata[p.name])
+            saved = self.metadata.state_dict_metadata.get(p.name)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise _not_a_tensor(p.name, saved)
+            items += read_items(p, saved)
         return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        """Never reached by a plan of ours (it holds tensor items only); refused rather than DCP's
+        ``torch.load(weights_only=False)``, which would run whatever the pickled bytes name."""
+        raise _not_a_tensor(read_item.dest_index.fqn, None, pickled=True)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The piece's own storage narrowed to the overlap: DCP's reader copies into it (casting dtype
@@ -143,6 +154,13 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def _not_a_tensor(name: str, saved, pickled: bool = False) -> CheckpointError:
+    if pickled or isinstance(saved, BytesStorageMetadata):  # LoadItemType.BYTE_IO: a pickled object
+        return CheckpointError(f"checkpoint item {name} is a pickled Python object (a DCP bytes item), not a "
+                               f"tensor: refusing to unpickle it (a checkpoint of tessera holds tensors only)")
+    return CheckpointError(f"checkpoint holds no tensor {name}: it was saved from another model or configuration")
 
 
 def read_items(piece: Piece, saved: TensorStorageMetadata) -> list[ReadItem]:

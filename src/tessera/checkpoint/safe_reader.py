@@ -7,7 +7,9 @@ DCP's metadata dataclasses, ``_StorageInfo``, ``torch.Size``, torch dtypes and l
 path DCP records as ``checkpoint_id``) and refuses everything else with a :class:`CheckpointError` that
 names the file, before anything is called. Tensor data is read by DCP itself with
 ``torch.load(weights_only=True)`` (``FileSystemReader.read_data``), which admits tensors and plain
-containers only, so no step of a load executes code from the checkpoint.
+containers only; a bytes item (a pickled object), which DCP would hand to its planner's
+``torch.load(weights_only=False)``, is refused by ``planners.PieceLoadPlanner``. So no step of a load
+executes code from the checkpoint.
 """
 
 from __future__ import annotations

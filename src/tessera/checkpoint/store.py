@@ -36,7 +36,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -56,7 +55,6 @@ from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.planners import PieceLoadPlanner, PieceSavePlanner, covered
 from tessera.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
 from tessera.comm.group import CommGroup
-from tessera.device import accelerator_type
 
 META = "trainer.json"
 _STEP = re.compile(r"step_(\d+)")
@@ -204,12 +202,17 @@ def _check_pieces(path: Path, pieces: list[Piece]) -> Metadata:
     source = path / METADATA_FILE
     for p in pieces:
         saved = metadata.state_dict_metadata.get(p.name)
+        # optimizer state ("optim/<param>/<key>") that differs means another optimizer or none was saved
+        state = p.name.startswith("optim/")
         if not isinstance(saved, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {source} holds no tensor {p.name}: it was saved from another "
-                                  f"model or configuration")
+            raise CheckpointError(
+                f"checkpoint {source} holds no optimizer state {p.name}, which this job's optimizer needs: it "
+                f"was saved without optimizer state or by another optimizer" if state else
+                f"checkpoint {source} holds no tensor {p.name}: it was saved from another model or configuration")
         if tuple(saved.size) != tuple(p.global_shape):
-            raise CheckpointError(f"checkpoint {source} holds {p.name} of shape {list(saved.size)} but this "
-                                  f"model needs {list(p.global_shape)}: it was saved from another model")
+            whose = "this job's optimizer state" if state else "this model"
+            raise CheckpointError(f"checkpoint {source} holds {p.name} of shape {list(saved.size)} but {whose} "
+                                  f"needs {list(p.global_shape)}: it was saved from another model or optimizer")
         if not covered(p, saved):
             raise CheckpointError(f"checkpoint {source} holds only part of {p.name} (rows/columns from offsets "
                                   f"{list(p.offsets)} are missing): it was saved incompletely")
@@ -236,7 +239,7 @@ def _agree(world: CommGroup, err: CheckpointError | None) -> None:
         if err is not None:
             raise err
         return
-    device = _comm_device(world)
+    device = world.device  # where the world group's collectives take their tensors
     first = torch.tensor([world.rank if err is not None else world.size], dtype=torch.int64, device=device)
     comm.all_reduce(first, world, op="min")
     src = int(first.item())
@@ -251,14 +254,6 @@ def _agree(world: CommGroup, err: CheckpointError | None) -> None:
         raise err
     message = bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
     raise CheckpointError(message)
-
-
-def _comm_device(world: CommGroup) -> torch.device:
-    """Where tensors for ``world``'s backend live: the accelerator for NCCL-like backends, else CPU."""
-    if world.pg is None or dist.get_backend(world.pg) == "gloo":
-        return torch.device("cpu")
-    kind = accelerator_type()
-    return torch.device(kind, torch.accelerator.current_device_index()) if kind else torch.device("cpu")
 
 
 # ---- what a checkpoint holds --------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Autograd-aware collectives: the four region boundaries of Megatron-style tensor parallelism.
 
-Each is the identity on a size-1 group. Legend: N = group size; ``dim`` the split dimension.
+Each is the identity on a size-1 group (whose device is still checked). Legend: N = group size; ``dim``
+the split dimension.
 
     copy_to      forward: identity              backward: all-reduce (sum) of the gradient
     reduce_from  forward: all-reduce (sum)      backward: identity
@@ -84,19 +85,23 @@ class _ScatterTo(torch.autograd.Function):
 
 def copy_to(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Enter a parallel region with a replicated input. Fwd: identity. Bwd: all-reduce(sum) of grad."""
+    group.check_device("copy_to", x)
     return x if group.size == 1 else _CopyTo.apply(x, group)
 
 
 def reduce_from(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Leave a parallel region by summing partial results. Fwd: all-reduce(sum). Bwd: identity."""
+    group.check_device("reduce_from", x)
     return x if group.size == 1 else _ReduceFrom.apply(x, group)
 
 
 def gather_from(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Tensor:
     """Leave a parallel region by concatenating shards. Fwd: all-gather along ``dim``. Bwd: own slice."""
+    group.check_device("gather_from", x)
     return x if group.size == 1 else _GatherFrom.apply(x, group, dim % x.dim())
 
 
 def scatter_to(x: torch.Tensor, group: CommGroup, dim: int = -1) -> torch.Tensor:
     """Enter a parallel region by splitting ``dim``. Fwd: own slice. Bwd: all-gather of grad along ``dim``."""
+    group.check_device("scatter_to", x)
     return x if group.size == 1 else _ScatterTo.apply(x, group, dim % x.dim())

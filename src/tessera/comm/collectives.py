@@ -1,9 +1,11 @@
 """Collectives over a CommGroup: skip size-1 groups, record every call, turn hangs into clear errors.
 
 Every function takes the group as an argument and ranks as *group-local* indices (``src=0`` is the
-group's first member; they are translated to global ranks, which every torch>=2.4 accepts). ``async_op=True`` returns a :class:`Handle` whose ``wait()`` finishes the call;
+group's first member; they are translated to global ranks, which every supported torch accepts). ``async_op=True`` returns a :class:`Handle` whose ``wait()`` finishes the call;
 otherwise the call completes before returning. On a size-1 group nothing is sent: the outputs are
-filled with what one process would compute and a completed handle is returned.
+filled with what one process would compute and a completed handle is returned. Every call first checks
+that its tensors live on the group's device (size-1 groups too), raising
+:class:`~tessera.comm.group.DeviceMismatchError` otherwise.
 
 A call that cannot complete raises a one-sentence :class:`tessera.errors.CommError` naming this rank, the
 op, the axis with its member ranks and the call's sequence number on that axis, worded after the cause:
@@ -141,6 +143,7 @@ def _issue(group: CommGroup, op: str, payload: int, wire: float, launch: Callabl
 
 def all_reduce(tensor: torch.Tensor, group: CommGroup, op: str = "sum", async_op: bool = False) -> Handle:
     """In place: every rank ends with the reduction of all ranks' ``tensor``."""
+    group.check_device("all_reduce", tensor)
     if group.size == 1:
         return DONE
     size = nbytes(tensor)
@@ -150,6 +153,7 @@ def all_reduce(tensor: torch.Tensor, group: CommGroup, op: str = "sum", async_op
 
 def broadcast(tensor: torch.Tensor, group: CommGroup, src: int = 0, async_op: bool = False) -> Handle:
     """In place: every rank ends with the group-local rank ``src``'s ``tensor``."""
+    group.check_device("broadcast", tensor)
     if group.size == 1:
         return DONE
     size = nbytes(tensor)
@@ -160,6 +164,7 @@ def broadcast(tensor: torch.Tensor, group: CommGroup, src: int = 0, async_op: bo
 def reduce(tensor: torch.Tensor, group: CommGroup, dst: int = 0, op: str = "sum",
            async_op: bool = False) -> Handle:
     """The reduction lands in ``tensor`` on group-local rank ``dst`` (other ranks' tensors are scratch)."""
+    group.check_device("reduce", tensor)
     if group.size == 1:
         return DONE
     size = nbytes(tensor)
@@ -170,6 +175,7 @@ def reduce(tensor: torch.Tensor, group: CommGroup, dst: int = 0, op: str = "sum"
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, async_op: bool = False) -> Handle:
     """``output`` ([N·n, ...]) = the ranks' ``input`` ([n, ...]) concatenated along dim 0, in rank order."""
+    group.check_device("all_gather", output, input)
     if group.size == 1:
         output.copy_(input.view_as(output))
         return DONE
@@ -181,6 +187,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, asyn
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, op: str = "sum",
                    async_op: bool = False) -> Handle:
     """``output`` ([n, ...]) = this rank's 1/N slice (dim 0) of the reduction of every ``input`` ([N·n, ...])."""
+    group.check_device("reduce_scatter", output, input)
     if group.size == 1:
         output.copy_(input.view_as(output))
         return DONE
@@ -195,6 +202,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: CommGroup,
                async_op: bool = False) -> Handle:
     """Rank i's ``input`` rows ``input_split_sizes[j]`` go to rank j; rows from rank j land, in rank
     order, in ``output`` (``output_split_sizes[j]`` of them). No split sizes means equal splits."""
+    group.check_device("all_to_all", output, input)
     if group.size == 1:
         output.copy_(input.view_as(output))
         return DONE
@@ -208,6 +216,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: CommGroup,
 
 def gather(tensor: torch.Tensor, group: CommGroup, dst: int = 0) -> list[torch.Tensor] | None:
     """Group-local rank ``dst`` receives every rank's ``tensor`` (a list in rank order); others get None."""
+    group.check_device("gather", tensor)
     if group.size == 1:
         return [tensor.clone()]
     is_dst = group.rank == dst
@@ -222,10 +231,11 @@ def gather(tensor: torch.Tensor, group: CommGroup, dst: int = 0) -> list[torch.T
 def scatter(output: torch.Tensor, scatter_list: list[torch.Tensor] | None, group: CommGroup,
             src: int = 0) -> None:
     """Group-local rank ``src`` sends ``scatter_list[j]`` to rank j, which receives it into ``output``."""
+    is_src = group.rank == src
+    group.check_device("scatter", output, *(scatter_list if is_src and scatter_list is not None else ()))
     if group.size == 1:
         output.copy_(scatter_list[0])
         return
-    is_src = group.rank == src
     piece = nbytes(output)
     wire = piece * (group.size - 1) if is_src else piece
     _issue(group, "scatter", piece * group.size, float(wire),

@@ -2,7 +2,8 @@
 
 ``send``/``recv`` block; ``isend``/``irecv`` return a Handle; ``batch_isend_irecv`` posts several at once
 so that a pair of ranks exchanging in both directions cannot deadlock (pipeline schedules use it).
-A message that cannot complete raises a :class:`tessera.errors.CommError` naming the peer's rank
+A tensor not on the group's device raises :class:`~tessera.comm.group.DeviceMismatchError` before anything
+is posted. A message that cannot complete raises a :class:`tessera.errors.CommError` naming the peer's rank
 (:class:`~tessera.errors.PeerGoneError` when the peer process is gone).
 """
 
@@ -25,6 +26,7 @@ def _check_peer(group: CommGroup, peer: int, op: str) -> None:
 
 
 def _p2p(tensor: torch.Tensor, group: CommGroup, peer: int, op: str, async_op: bool) -> Handle:
+    group.check_device(op, tensor)
     _check_peer(group, peer, op)
     fn = dist.isend if op in ("send", "isend") else dist.irecv
     size = nbytes(tensor)
@@ -69,6 +71,7 @@ class P2POp:
 def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[Handle]:
     """Post all ``ops`` together; returns one Handle per op, in order."""
     for p in ops:
+        group.check_device(p.op, p.tensor)
         _check_peer(group, p.peer, p.op)
     dist_ops = [
         dist.P2POp(dist.isend if p.op == "send" else dist.irecv, p.tensor, group.ranks[p.peer], group=group.pg)

@@ -1,27 +1,55 @@
-"""Gradient buckets: parameters grouped into flat buffers that are all-reduced as one message each.
+"""Gradient buckets: parameters grouped into flat buffers that are reduced as one message each.
 
-Parameters are taken in *reverse* registration order, because backward produces the gradients of the
-last layers first; a bucket is full (and its all-reduce can start) as soon as every parameter in it has
-its gradient. Each bucket holds one dtype and one device; a bucket is closed when adding the next
-parameter would pass the size cap (a parameter larger than the cap gets a bucket of its own).
+The one bucket builder of every data-parallel engine (DDP, ZeRO-1/2, the pipeline's dp reduction).
+Parameters are taken in the order given, which callers make *reverse* registration order, because
+backward produces the gradients of the last layers first; a bucket is full (and its reduction can start)
+as soon as every parameter in it has its gradient. A bucket holds one key (optimizer param group, dtype,
+device): a new bucket starts when the key changes or when adding the next parameter would pass the size
+cap (a parameter larger than the cap gets a bucket of its own). With ``pad_to = N`` a bucket's buffer is
+padded to a multiple of N elements (at least N) so N ranks get equal slices (ZeRO); padding stays zero.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch import nn
+
+
+def padded_size(numel: int, world: int) -> int:
+    """The smallest multiple of ``world`` that holds ``numel`` elements (at least ``world``)."""
+    return max(-(-numel // world), 1) * world
+
+
+def offsets_of(params: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Start offset of each tensor in a flat buffer, and the unpadded total."""
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    return offsets, total
 
 
 @dataclass(eq=False)
 class Bucket:
     index: int
-    params: list[torch.nn.Parameter]
-    buffer: torch.Tensor  # flat [sum(numel)], dtype/device of its parameters
-    offsets: list[int]
-    ready: int = 0  # gradients produced in the current backward pass
-    handle: object = None
-    used: set[int] = field(default_factory=set)  # ids of params whose gradient arrived this pass
+    params: list[nn.Parameter]
+    offsets: list[int]  # where each parameter's gradient starts in the buffer
+    size: int  # elements in the buffer, padding included
+    group: int = 0  # optimizer param group of every parameter in it
+    buffer: torch.Tensor | None = None  # [size] gradients, dtype/device of the parameters; None while not held
+    filled: set[int] = field(default_factory=set)  # parameter indices whose slot was written this pass
+    empty: set[int] = field(default_factory=set)  # ... of those, the ones that had no gradient (zeros)
+    pending: object = None  # the reduction in flight
+
+    def allocate(self) -> torch.Tensor:
+        """The buffer, made (zeros) if not held."""
+        if self.buffer is None:
+            p = self.params[0]
+            self.buffer = torch.zeros(self.size, dtype=p.dtype, device=p.device)
+        return self.buffer
 
     def view(self, i: int) -> torch.Tensor:
         """The slice of ``buffer`` that holds parameter i's gradient, shaped like the parameter."""
@@ -30,37 +58,42 @@ class Bucket:
 
     @property
     def full(self) -> bool:
-        return self.ready == len(self.params)
+        return len(self.filled) == len(self.params)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def reset(self) -> None:
-        self.ready = 0
-        self.handle = None
-        self.used.clear()
+        return self.size * self.params[0].element_size()
 
 
-def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[Bucket]:
-    """Buckets over ``params`` in the given order (pass them reversed), one open bucket per dtype/device."""
-    groups: list[list[torch.nn.Parameter]] = []
-    open_group: dict[tuple, tuple[list, int]] = {}  # (dtype, device) → (params, bytes so far)
+def build_buckets(params: list[nn.Parameter], cap_bytes: int, group_of: Callable[[nn.Parameter], int] | None = None,
+                  pad_to: int = 1) -> list[Bucket]:
+    """Buckets over ``params`` in the given order (pass them reversed); ``group_of(p)``: p's optimizer
+    param group (default: one group). No buffer is allocated yet (see :meth:`Bucket.allocate`)."""
+    runs: list[tuple[tuple, list[nn.Parameter]]] = []
+    size = 0
     for p in params:
-        key = (p.dtype, p.device)
-        members, size = open_group.get(key, (None, 0))
+        key = (group_of(p) if group_of is not None else 0, p.dtype, p.device)
         p_bytes = p.numel() * p.element_size()
-        if members is None or (members and size + p_bytes > cap_bytes):
-            members, size = [], 0
-            groups.append(members)
-        members.append(p)
-        open_group[key] = (members, size + p_bytes)
+        if not runs or runs[-1][0] != key or size + p_bytes > cap_bytes:
+            runs.append((key, []))
+            size = 0
+        runs[-1][1].append(p)
+        size += p_bytes
     buckets = []
-    for index, members in enumerate(groups):
-        offsets, total = [], 0
-        for p in members:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-        buckets.append(Bucket(index, members, buffer, offsets))
+    for index, (key, members) in enumerate(runs):
+        offsets, total = offsets_of(members)
+        buckets.append(Bucket(index, members, offsets, padded_size(total, pad_to), group=key[0]))
     return buckets
+
+
+def in_arrival_order(buckets: list[Bucket], arrival: list[nn.Parameter]) -> list[Bucket]:
+    """``buckets`` sorted by when backward is expected to fill them: by the latest expected arrival of
+    their parameters' gradients (``arrival``: every parameter, usually in reverse registration order).
+
+    This is the launch order for buckets built in another order: ZeRO's follow the param groups (all
+    norm weights of the model in one bucket, say), and launched by index that bucket would hold every
+    later one — and its full gradients — until the end of backward. The order depends only on the
+    model, so it is the same on every rank; the buckets' contents (and the numerics) do not change.
+    """
+    position = {id(p): i for i, p in enumerate(arrival)}
+    return sorted(buckets, key=lambda b: max(position.get(id(p), len(position)) for p in b.params))

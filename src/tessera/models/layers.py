@@ -1,4 +1,4 @@
-"""Building blocks of the Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU, block.
+"""Building blocks of the Llama-style decoder: RMSNorm, RoPE, GQA attention, block (SwiGLU: feed_forward.py).
 
 Single-device only: nothing here imports torch.distributed. Parallel wrappers later replace
 or shard these modules, so attribute and submodule names are part of the contract.
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.config import ModelConfig
+from tessera.models.feed_forward import FeedForward
+from tessera.models.moe import MoEConfig, MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +91,8 @@ class CausalCoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q_BSHE: torch.Tensor, k_BSKE: torch.Tensor, v_BSKE: torch.Tensor) -> torch.Tensor:
-        # Repeat kv heads by hand: SDPA's enable_gqa does not exist on torch 2.4.
+        # Repeat kv heads by hand rather than SDPA's enable_gqa: the 2D/2.5D/3D attention block repeats the
+        # same way, and switching would change the kernels (and rounding) every parity test was measured with.
         n_rep = q_BSHE.shape[2] // k_BSKE.shape[2]
         k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
         y_BHSE = F.scaled_dot_product_attention(
@@ -136,19 +139,6 @@ class Attention(nn.Module):
         return self.resid_dropout(self.wo(y_BSD))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x). w1 = gate, w3 = up, w2 = down; no biases."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + dropout(ffn(norm(h)))."""
 
@@ -158,8 +148,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.is_moe_layer(layer_id):  # mixture of experts (models/moe.py) with `moe`: MoEConfig
-            from tessera.models.moe import MoEConfig, MoEFeedForward  # moe.py imports this file
-
             moe_cfg = moe if moe is not None else MoEConfig()
             self.feed_forward = MoEFeedForward(cfg.dim, cfg.ffn_hidden_dim, cfg.num_experts, moe_cfg)
         else:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.models.layers import FeedForward
+from tessera.models.feed_forward import FeedForward
 
 NOISY_GATE_POLICIES = ("none", "jitter", "rsample")
 

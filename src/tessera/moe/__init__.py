@@ -14,11 +14,10 @@ from tessera.moe.expert_parallel import (
     expert_parameters,
     global_expert_state,
 )
-from tessera.moe.grad_norm import clip_grad_norm_moe
 from tessera.moe.metrics import moe_metrics
 from tessera.moe.zero import ExpertZeroDataParallel, expert_zero
 
 __all__ = [
-    "ExpertDataParallel", "ExpertParallelMoE", "ExpertZeroDataParallel", "all_to_all", "apply_expert_parallel", "clip_grad_norm_moe",
+    "ExpertDataParallel", "ExpertParallelMoE", "ExpertZeroDataParallel", "all_to_all", "apply_expert_parallel",
     "exchange_counts", "expert_parallelize", "expert_parameters", "expert_zero", "global_expert_state", "moe_metrics",
 ]

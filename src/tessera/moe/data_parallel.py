@@ -6,12 +6,14 @@ other ep groups), and after backward it already holds the gradient of every toke
 it, so it is summed over ``edp`` only. Both sums follow the house loss convention (each micro-batch's
 summed loss divided by the GLOBAL token count), which makes the result equal one process.
 
-Both are tessera's DistributedDataParallel over a subset of the parameters, so the gradients travel in
-buckets launched from gradient hooks during backward, as for a dense model. Forward communication:
+Both are tessera's DistributedDataParallel over a subset of the parameters (the one data-parallel
+reducer, ``tessera.data_parallel.reducer``), so the gradients travel in buckets launched from gradient
+hooks during backward, as for a dense model, with the same ``[ddp]`` settings. Forward communication:
 none (at construction dense state is broadcast from dp rank 0 and expert state from edp rank 0).
 Backward communication: bucketed all-reduces (sum) of the dense gradients on ``dp`` and of the expert
 gradients on ``edp``: 2(dp−1)/dp · dense bytes + 2(edp−1)/edp · local expert bytes per rank. Inside
-``no_sync()`` gradients only accumulate. A parameter without a gradient contributes zeros.
+``no_sync()`` gradients only accumulate. A parameter without a gradient contributes zeros (with
+``find_unused_parameters``: keeps ``grad = None`` when no rank of its group has one).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tessera.moe.expert_parallel import apply_expert_parallel, expert_parameters
 class ExpertDataParallel(nn.Module):
     """Wraps an expert-parallel ``module``; ``dp`` and ``edp`` are CommGroups from the Topology."""
 
-    def __init__(self, module: nn.Module, dp: CommGroup, edp: CommGroup, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, dp: CommGroup, edp: CommGroup, bucket_mb: float = 25.0,
+                 find_unused_parameters: bool = False):
         super().__init__()
         self.module, self.dp, self.edp = module, dp, edp
         experts = {id(p) for p in expert_parameters(module)}
@@ -37,10 +40,11 @@ class ExpertDataParallel(nn.Module):
         dense = [p for p in params if id(p) not in experts]
         self.dense_parameters = dense
         # a plain list, so the wrapped module is not registered three times
+        common = dict(bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters, reduce_op="sum")
         self._replicas = [
-            DistributedDataParallel(module, dp, bucket_mb, reduce_op="sum", parameters=dense),
-            DistributedDataParallel(module, edp, bucket_mb, reduce_op="sum",
-                                    parameters=[p for p in params if id(p) in experts], broadcast_buffers=False),
+            DistributedDataParallel(module, dp, parameters=dense, **common),
+            DistributedDataParallel(module, edp, parameters=[p for p in params if id(p) in experts],
+                                    broadcast_buffers=False, **common),
         ]
 
     @property
@@ -56,8 +60,10 @@ class ExpertDataParallel(nn.Module):
             yield
 
 
-def expert_parallelize(model: nn.Module, topology) -> ExpertDataParallel:
+def expert_parallelize(model: nn.Module, topology, ddp=None) -> ExpertDataParallel:
     """The expert-parallel step of ``parallelize``: shard the experts of ``model`` over the topology's
-    ``ep`` group, then reduce dense gradients over ``dp`` and expert gradients over ``edp``."""
+    ``ep`` group, then reduce dense gradients over ``dp`` and expert gradients over ``edp`` (``ddp``: the
+    DDPConfig whose bucket size and find_unused_parameters both reductions take)."""
     apply_expert_parallel(model, topology.group("ep"))
-    return ExpertDataParallel(model, topology.group("dp"), topology.group("edp"))
+    kwargs = {} if ddp is None else dict(bucket_mb=ddp.bucket_mb, find_unused_parameters=ddp.find_unused_parameters)
+    return ExpertDataParallel(model, topology.group("dp"), topology.group("edp"), **kwargs)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tessera.comm.group import CommGroup
-from tessera.grad_norm import GradPiece, global_grad_norm, scale_to
+from tessera.grad_norm import GradPiece, clip_grad_norm
 from tessera.moe.expert_parallel import expert_parameters
 from tessera.zero.stage12 import ZeroDataParallel
 
@@ -45,7 +45,7 @@ class ExpertZeroDataParallel(nn.Module):
         super().__init__()
         self.module, self.stage = module, stage
         experts = {id(p) for p in expert_parameters(module)}
-        single = CommGroup.single("dp_replicate", dp.ledger)
+        single = CommGroup.single("dp_replicate", dp.ledger, dp.device)
 
         def subset(keep):
             return [{**g, "params": [p for p in g["params"] if keep(id(p) in experts)]} for g in param_groups]
@@ -55,7 +55,11 @@ class ExpertZeroDataParallel(nn.Module):
         self.parts = (ZeroDataParallel(module, subset(lambda e: not e), make_optimizer, dp, single, stage, **common),
                       ZeroDataParallel(module, subset(lambda e: e), make_optimizer, edp, single, stage, **common))
         dense, expert = self.parts
-        expert.update.check_groups.append(ep)  # the finiteness flag reaches every dp rank, as the dense one
+        # the finiteness flag reaches every rank of the job: the dense one spans dp, the expert one edp × ep,
+        # and both every further norm axis (tp)
+        expert.update.check_groups.append(ep)
+        for e in self.parts:
+            e.update.check_groups += [g for name, g in (norm_axes or {}).items() if name != "ep"]
         # ONE optimizer: group g = the dense and expert masters of the model's group g
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [s.master for e in self.parts for s in e.update.shards if s.group == i]}
@@ -89,9 +93,9 @@ class ExpertZeroDataParallel(nn.Module):
         # each engine's pieces are sharded on its shard group ("dp_shard"): dp = ep × edp, edp (+ ep)
         pieces = [GradPiece(p.grad, (p.sharded - {"dp_shard"}) | {"ep", "edp"})
                   for e in self.parts for p in e.update.norm_pieces()]
-        norm = global_grad_norm(pieces, self.norm_axes, self.device)
-        scale_to([s.master.grad for s in self.update.shards], norm, max_norm)
-        return float(norm), True
+        norm = clip_grad_norm(pieces, self.norm_axes, max_norm, device=self.device,
+                              scale=[s.master.grad for s in self.update.shards])
+        return norm, True
 
     @torch.no_grad()
     def step(self) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tessera.errors import ConfigError
 from tessera.models.ctr import CTRConfig
+from tessera.parameter_server.network import listen_interface
 
 MODES = ("bsp", "asp", "ssp")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -17,8 +18,8 @@ class PSConfig:
     workers: int = 2  # worker processes; each pulls the rows its batch touches and pushes their gradients
     mode: str = "bsp"  # "bsp" (one averaged update per step), "asp" (apply each push) or "ssp" (bounded)
     staleness: int = 2  # ssp only: no worker may start step t before every worker finished step t - staleness - 1
-    address: str = "127.0.0.1"  # RPC rendezvous and listening address (loopback by default)
-    port: int = 0  # RPC rendezvous port; 0 picks a free one
+    address: str = "127.0.0.1"  # where the RPC listeners and the rendezvous store listen: loopback by default
+    port: int = 0  # the rendezvous store's port; 0 picks a free one
     optimizer: str = "adagrad"  # the servers' row-wise optimizer: "sgd", "adagrad" or "adam"
     lr: float = 0.05  # the servers' learning rate
     batch_size: int = 256  # samples per worker per step (the global batch is workers × batch_size)
@@ -44,6 +45,7 @@ class PSConfig:
         if self.lr <= 0 or self.timeout <= 0:
             raise ConfigError(f"ps.lr and ps.timeout must be positive, got {self.lr} and {self.timeout}")
         self.ctr().validate()
+        listen_interface(self.address)  # an address none of this machine's interfaces holds is refused here
         return self
 
     def ctr(self) -> CTRConfig:

@@ -55,7 +55,7 @@ class DenseParameterSync:
 
     @staticmethod
     def _flat(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
-        out = torch.zeros(length, dtype=tensors[0].dtype)
+        out = torch.zeros(length, dtype=tensors[0].dtype, device=tensors[0].device)
         torch.cat([t.reshape(-1) for t in tensors], out=out[: sum(t.numel() for t in tensors)])
         return out
 
@@ -78,7 +78,7 @@ class DenseParameterSync:
             self.opt.step()
         elif self.strategy == "ps_rank0":
             gathered = comm.gather(self._grads(self.numel), self.group, dst=0)
-            new_P = torch.empty(self.numel)
+            new_P = torch.empty(self.numel, device=self.group.device)
             pieces = None
             if self.group.rank == 0:
                 self.master.grad = torch.stack(gathered).sum(0)
@@ -87,11 +87,11 @@ class DenseParameterSync:
             comm.scatter(new_P, pieces, self.group, src=0)
             self._write(new_P)
         else:
-            grad_shard = torch.empty(self.shard)
+            grad_shard = torch.empty(self.shard, device=self.group.device)
             comm.reduce_scatter(grad_shard, self._grads(self.shard * self.group.size), self.group)
             self.master.grad = grad_shard
             self.opt.step()
-            full = torch.empty(self.shard * self.group.size)
+            full = torch.empty(self.shard * self.group.size, device=self.group.device)
             comm.all_gather(full, self.master.detach(), self.group)
             self._write(full)
         for p in self.params:

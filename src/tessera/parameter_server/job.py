@@ -1,77 +1,86 @@
 """Run a parameter-server job: S server and W worker processes over torch.distributed.rpc (TensorPipe).
 
-The caller's process only spawns the roles (spawn context), relays progress and collects results; it
-never joins the RPC group. RPC ranks 0..S-1 are servers ``ps0``.., ranks S..S+W-1 workers ``worker0``..;
-they rendezvous over TCP on ``ps.address`` (loopback by default). A role that fails reports one line;
-a role that dies is noticed by its peers within ``ps.timeout`` (their calls fail and name it), and the
-job then stops every remaining process and raises :class:`PSError` with the most telling message.
+The caller's process starts the roles with :func:`tessera.spawn.spawn` (process rank r < S is server
+``ps<r>``, the others are workers ``worker0``..), relays their progress and collects their results; it
+never joins the RPC group. The roles find each other through a FileStore in a temporary folder; their
+RPC listeners bind to the interface of ``ps.address`` (loopback by default, see ``network``), and the
+spawner's rendezvous store to ``ps.address:ps.port``. A role that fails reports one line and exits 1; a
+role that dies is seen by the spawner at once. The spawner then stops every process and the job raises
+:class:`PSError` with the most telling message: the role that was killed, else the first error a role
+reported (a worker names the server that failed to answer it).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
+import os
 import queue
-import socket
+import signal
+import tempfile
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from tessera.parameter_server.config import PSConfig
 from tessera.parameter_server.errors import PSError, last_line
-
-_CTX = mp.get_context("spawn")  # forking after torch started threads can hang
-
-
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+from tessera.parameter_server.network import bind_rpc_to, listen_interface
+from tessera.spawn import RankFailed, how_it_ended, message_queue, process_rank, spawn
 
 
-def _role_main(role: str, index: int, cfg: PSConfig, steps: int, seed: int, port: int, ckpt_dir: str,
-               out_q, slow: float, want_params: bool) -> None:
+def role_name(servers: int, rank: int) -> str:
+    return f"ps{rank}" if rank < servers else f"worker{rank - servers}"
+
+
+def _role_main(cfg: PSConfig, steps: int, seed: int, ifname: str, store: str, ckpt_dir: str, out_q,
+               slow: float, want_params: bool) -> bytes | None:
+    """One role's process (a tessera.spawn entry). Returns a worker's result packed as bytes (a server:
+    None); a failure is reported on ``out_q`` in one line and ends the process with exit code 1."""
     import torch.distributed.rpc as rpc
 
     from tessera.models.ctr import dense_names
     from tessera.parameter_server.server import ParameterServer, register
     from tessera.parameter_server.worker import build_model, worker_main
 
+    rank, world = process_rank()
+    name, index = role_name(cfg.servers, rank), rank if rank < cfg.servers else rank - cfg.servers
     torch.set_num_threads(1)
-    name = f"ps{index}" if role == "server" else f"worker{index}"
-    rank = index if role == "server" else cfg.servers + index
+    out_q.put(("up", name, os.getpid()))
     try:
-        if role == "server":  # registered before the rendezvous, so no worker can call it too early
+        if rank < cfg.servers:  # registered before the rendezvous, so no worker can call it too early
             model = build_model(cfg, seed)
             register(ParameterServer(index, cfg, dict(model.named_parameters()), dense_names(model), ckpt_dir))
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{cfg.address}:{port}",
-                                               rpc_timeout=cfg.timeout, num_worker_threads=max(16, 4 * cfg.workers))
-        rpc.init_rpc(name, rank=rank, world_size=cfg.servers + cfg.workers, rpc_backend_options=opts)
+        bind_rpc_to(ifname)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", rpc_timeout=cfg.timeout,
+                                               num_worker_threads=max(16, 4 * cfg.workers))
+        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
     except Exception as err:  # noqa: BLE001
         out_q.put(("error", name, f"{name} could not start: {last_line(err)}"))
-        return
+        raise SystemExit(1) from None
     try:
-        if role == "server":
-            rpc.shutdown(graceful=True)  # serve until every role is done (the parent kills us on failure)
-            out_q.put(("done", name, None))
-            return
+        if rank < cfg.servers:
+            rpc.shutdown(graceful=True)  # serve until every role is done (the spawner stops us on failure)
+            return None
         report = (lambda step, loss: out_q.put(("step", name, (step, loss))))
-        result = worker_main(index, cfg, steps, seed, report, slow if index == cfg.workers - 1 else 0.0,
-                             want_params)
-        out_q.put(("result", name, _pack(result)))
+        result = _pack(worker_main(index, cfg, steps, seed, report, slow if index == cfg.workers - 1 else 0.0,
+                                   want_params))
         rpc.shutdown(graceful=True)
+        return result
     except Exception as err:  # noqa: BLE001
         out_q.put(("error", name, last_line(err)))
         try:
             rpc.shutdown(graceful=False)
         except RuntimeError:  # already torn down
             pass
+        raise SystemExit(1) from None
 
 
 def _pack(obj) -> bytes:
-    """Tensors as plain bytes: a queue would pass them as shared-memory handles that die with the sender."""
+    """A worker's result (tensors, numbers, strings, lists and dicts of them) as bytes, read back with
+    ``torch.load(weights_only=True)``, which builds nothing else."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -92,28 +101,25 @@ def run_ps_job(cfg: PSConfig, steps: int, seed: int = 0, out_dir: str = "", want
         from tessera.parameter_server.server import latest_complete
 
         latest_complete(cfg.resume, cfg.servers)  # a bad folder is a ConfigError before anything starts
-    port = cfg.port or free_port(cfg.address)
+    ifname, address = listen_interface(cfg.address)  # likewise an address of no interface here
     ckpt_dir = str(Path(out_dir) / "tables") if out_dir else ""
-    out_q = _CTX.Queue()
-    procs = {}
-    for role, count in (("server", cfg.servers), ("worker", cfg.workers)):
-        for i in range(count):
-            name = f"ps{i}" if role == "server" else f"worker{i}"
-            procs[name] = _CTX.Process(target=_role_main, name=name, daemon=True, args=(
-                role, i, cfg, steps, seed, port, ckpt_dir, out_q, slow_last_worker, want_params))
-    for p in procs.values():
-        p.start()
-    try:
-        results, losses = _collect(cfg, procs, out_q, kill_server_at, progress)
-    finally:
-        for p in procs.values():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    relay = _Relay(cfg, message_queue(), kill_server_at, progress)
+    with tempfile.TemporaryDirectory(prefix="tessera-ps-") as tmp:
+        args = (cfg, steps, seed, ifname, os.path.join(tmp, "rpc_store"), ckpt_dir, relay.out_q, slow_last_worker,
+                want_params)
+        relay.start()
+        try:
+            returned = spawn(_role_main, cfg.servers + cfg.workers, args, address=address, port=cfg.port,
+                             name=partial(role_name, cfg.servers))
+        except RankFailed as err:
+            raise PSError(relay.explain(err)) from None
+        finally:
+            relay.finish()
+    results = {role_name(cfg.servers, r): torch.load(io.BytesIO(v), weights_only=True)
+               for r, v in sorted(returned.items()) if r >= cfg.servers}
     summary = dict(results["worker0"])
     summary["bytes_per_worker"] = {w: r["server_bytes"] for w, r in sorted(results.items())}
-    summary["losses"] = losses
+    summary["losses"] = relay.losses
     summary["examples_per_s"] = (steps - summary["start_step"]) * cfg.workers * cfg.batch_size / max(
         max(r["seconds"] for r in results.values()), 1e-9)
     if out_dir:
@@ -121,43 +127,76 @@ def run_ps_job(cfg: PSConfig, steps: int, seed: int = 0, out_dir: str = "", want
     return summary
 
 
-def _collect(cfg, procs, out_q, kill_server_at, progress):
-    results, losses, errors, done = {}, {}, [], set()
-    first_death = None
-    last_news = time.monotonic()
-    patience = 2 * cfg.timeout + 60  # no message for this long: something hangs that no timeout caught
-    while len(results) < cfg.workers or len(done) < cfg.servers:
-        try:
-            kind, name, payload = out_q.get(timeout=0.2)
-            last_news = time.monotonic()
-        except queue.Empty:
-            kind = None
-        if kind == "step":
-            step, loss = payload
-            if name == "worker0":
-                losses[step] = loss
-                if progress:
-                    progress(step)
-                if kill_server_at and step >= kill_server_at[1] and procs[f"ps{kill_server_at[0]}"].is_alive():
-                    procs[f"ps{kill_server_at[0]}"].kill()
-        elif kind == "result":
-            results[name] = torch.load(io.BytesIO(payload), weights_only=False)
-        elif kind == "done":
-            done.add(name)
+class _Relay(threading.Thread):
+    """In the launching process, while the roles run: reads their messages (a role's process id, worker 0's
+    loss per step, a role's error), calls ``progress``, kills a server for the test hook, and kills every
+    role when none said anything for longer than any timeout allows (something hangs that none caught)."""
+
+    def __init__(self, cfg: PSConfig, out_q, kill_server_at, progress):
+        super().__init__(daemon=True)
+        self.out_q, self.kill_server_at, self.progress = out_q, kill_server_at, progress
+        self.patience, self.servers = 2 * cfg.timeout + 60, cfg.servers
+        self.pids: dict[str, int] = {}
+        self.losses: dict[int, float] = {}
+        self.errors: list[str] = []
+        self.stalled = False
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        last_news = time.monotonic()
+        while not self._done.is_set():
+            try:
+                self._handle(*self.out_q.get(timeout=0.2))
+                last_news = time.monotonic()
+            except queue.Empty:
+                if time.monotonic() - last_news > self.patience and not self.stalled:
+                    self.stalled = True
+                    self._kill(*self.pids)
+
+    def finish(self) -> None:
+        """Stop reading, after the messages already sent (a role's last error may still be queued)."""
+        self._done.set()
+        self.join()
+        while True:
+            try:
+                self._handle(*self.out_q.get(timeout=0.1))
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, name: str, payload) -> None:
+        if kind == "up":
+            self.pids[name] = payload
         elif kind == "error":
-            errors.append(payload)
-            break
-        dead = [n for n, p in procs.items() if p.exitcode not in (None, 0) and n not in done]
-        if dead and first_death is None:
-            first_death = time.monotonic()
-        # a dead process: give its peers up to one timeout to notice and say so (their message is clearer)
-        if first_death is not None and time.monotonic() - first_death > cfg.timeout + 5:
-            raise PSError(f"process {dead[0]} exited with code {procs[dead[0]].exitcode} and no peer reported why")
-        if time.monotonic() - last_news > patience:
-            raise PSError(f"the parameter-server job made no progress for {patience:g} s")
-    if errors:
-        raise PSError(errors[0])
-    return results, losses
+            self.errors.append(payload)
+        elif kind == "step" and name == "worker0":
+            step, loss = payload
+            self.losses[step] = loss
+            if self.progress:
+                self.progress(step)
+            if self.kill_server_at and step >= self.kill_server_at[1] and self._kill(f"ps{self.kill_server_at[0]}"):
+                self.kill_server_at = None
+
+    def _kill(self, *names: str) -> bool:
+        """SIGKILL the named roles; False when one has not said its process id yet."""
+        for name in names:
+            if name not in self.pids:
+                return False
+            try:
+                os.kill(self.pids[name], signal.SIGKILL)
+            except ProcessLookupError:  # already gone
+                pass
+        return True
+
+    def explain(self, err: RankFailed) -> str:
+        """The sentence for a failed job: a stall, else the roles killed by a signal (the cause: a role's
+        peers only see it vanish), else the first error a role reported, else how the roles exited."""
+        if self.stalled:
+            return f"the parameter-server job made no progress for {self.patience:g} s"
+        killed = [how_it_ended(role_name(self.servers, r), code) for r, code in sorted(err.exit_codes.items())
+                  if code is not None and code < 0]
+        if killed:
+            return f"{', '.join(killed)}, and the job stopped"
+        return self.errors[0] if self.errors else str(err)
 
 
 def _write(out: Path, cfg: PSConfig, summary: dict) -> None:

@@ -31,11 +31,21 @@ from tessera.parameter_server.errors import PSError
 from tessera.parameter_server.row_optim import RowOptimizer
 
 _SERVERS: dict[str, "ParameterServer"] = {}  # the server objects this process hosts, by RPC name
+# what a worker may ask of a server (the RPC surface below); everything else (loading a folder, saving,
+# the internals, any dunder) is refused before it is looked up
+RPC_METHODS = frozenset({"pull", "push", "start_step", "final_state"})
 
 
 def serve_call(name: str, method: str, *args):
-    """The one function workers invoke over RPC: ``_SERVERS[name].method(*args)``."""
-    return getattr(_SERVERS[name], method)(*args)
+    """The one function workers invoke over RPC: ``_SERVERS[name].method(*args)``, for a method of
+    :data:`RPC_METHODS` only."""
+    if not (isinstance(method, str) and method in RPC_METHODS):
+        raise PSError(f"parameter server {name} refused the RPC method {str(method)[:60]!r}: workers may "
+                      f"call only {', '.join(sorted(RPC_METHODS))}")
+    server = _SERVERS.get(name) if isinstance(name, str) else None
+    if server is None:
+        raise PSError(f"no parameter server named {str(name)[:60]!r} runs in this process")
+    return getattr(server, method)(*args)
 
 
 def register(server: "ParameterServer") -> None:

@@ -57,7 +57,7 @@ class PipelineExecutor:
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, pp: CommGroup,
                  loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
                  activation_shape: Callable[[Any], Sequence[int]], activation_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", timeline: Timeline | None = None, recompute: bool = False,
+                 device: torch.device | str | None = None, timeline: Timeline | None = None, recompute: bool = False,
                  on_step: Callable[[], None] | None = None, free_sent: bool = True,
                  vertical_sync: bool = False):
         if sorted(stages) != schedule.stages_of(pp.rank):
@@ -65,7 +65,7 @@ class PipelineExecutor:
                              f"{schedule.stages_of(pp.rank)} on it")
         self.stages, self.schedule, self.pp = stages, schedule, pp
         self.loss_fn, self.activation_shape, self.dtype = loss_fn, activation_shape, activation_dtype
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else pp.device  # default: the pp group's
         self.timeline = timeline or Timeline(pp.rank, enabled=False)
         self.recompute, self.on_step, self.free_sent = recompute, on_step, free_sent
         self.last = schedule.n_stages - 1

@@ -93,19 +93,24 @@ class Pipeline:
         return self.loss(self._eval[m].step(micro_batches))
 
     def loss(self, result: StepOutput) -> torch.Tensor:
-        """Sum of the step's micro-batch losses, broadcast from the last stage's rank to every pp rank."""
-        total = torch.stack(result.losses).sum().double() if result.losses else torch.zeros((), dtype=torch.float64)
+        """Sum of the step's micro-batch losses, broadcast from the last stage's rank to every pp rank (a
+        0-d float64 on the pp group's device: the other ranks' placeholder too)."""
+        if result.losses:
+            total = torch.stack(result.losses).sum().double().to(self.pp.device)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.pp.device)
         comm.broadcast(total, self.pp, src=self.schedule.rank_of(self.schedule.n_stages - 1))
         return total
 
 
 def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
-                   loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], device: torch.device | str = "cpu",
+                   loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], device: torch.device | str | None = None,
                    timeline: Timeline | None = None, on_step: Callable[[], None] | None = None,
                    prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
                    seq_split: int = 1) -> Pipeline:
     """Partition ``model`` (a full reference Transformer, identical on every pp rank), keep this rank's
-    stages, build and check the schedule, and return the runnable :class:`Pipeline`.
+    stages, build and check the schedule, and return the runnable :class:`Pipeline` on ``device`` (default:
+    the pp group's device, where the activations it sends must live).
 
     ``prepare_stage(stage) -> stage`` transforms each stage module before it runs (e.g. tensor
     parallelism); ``seq_split``: the activations between stages hold 1/seq_split of the sequence
@@ -116,6 +121,7 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
     schedule = build_schedule(cfg.schedule, pp.size, cfg.microbatches, cfg.virtual_stages)
     verify_complete(schedule)
     check(schedule)  # raises ScheduleError before any message is sent
+    device = torch.device(device) if device is not None else pp.device
     stages = {s: m.to(device) for s, m in stage_modules(model, partition, pp.size, pp.rank).items()}
     if prepare_stage is not None:
         stages = {s: prepare_stage(m) for s, m in stages.items()}

@@ -1,7 +1,7 @@
 """Measure this machine: the matmul rate of one rank and gloo all-reduce α and β between local ranks.
 
-The only part of the planner that runs anything: it spawns its own ranks (spawn start method, a FileStore
-in a temporary folder, an explicit timeout), times all-reduces of several sizes, and fits the ring model
+The only part of the planner that runs anything: it starts its own ranks (tessera.spawn; a FileStore in
+a temporary folder, an explicit timeout), times all-reduces of several sizes, and fits the ring model
 t(S) = 2(n−1)·α + 2(n−1)/n·S/β by least squares. A few seconds on two cores.
 """
 
@@ -82,9 +82,14 @@ def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
     return sorted(diffs)[len(diffs) // 2]
 
 
-def _allreduce_rank(rank: int, world: int, store_path: str, out_path: str, reps: int) -> None:
+def _allreduce_rank(store_path: str, reps: int):
+    """One calibration rank (a tessera.spawn entry); rank 0 returns (step FLOP/s per rank, interleaved
+    all-reduce seconds, [(bytes, seconds)] of back-to-back all-reduces)."""
     import torch.distributed as dist
 
+    from tessera.spawn import process_rank
+
+    rank, world = process_rank()
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -104,9 +109,7 @@ def _allreduce_rank(rank: int, world: int, store_path: str, out_path: str, reps:
                 dist.all_reduce(x)
                 times.append(time.perf_counter() - t0)
             rows.append((size, min(times)))  # the least disturbed run: the machine may be shared
-        if rank == 0:
-            with open(out_path, "w") as fh:
-                fh.write(f"{float(step_rate) / world} {interleaved}\n" + "\n".join(f"{s} {t}" for s, t in rows))
+        return (float(step_rate) / world, interleaved, rows) if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -127,17 +130,11 @@ def allreduce_alpha_beta(world: int = 2, reps: int = 10) -> tuple[float, float, 
     """Spawn ``world`` gloo ranks, time a reference training step on all of them at once, all-reduces
     back to back, and small all-reduces between compute segments; return (α seconds, β bytes/s, raw rows,
     mean step FLOP/s per rank, seconds an interleaved SYNC_BYTES all-reduce adds to a segment)."""
-    import torch.multiprocessing as mp
+    from tessera.spawn import spawn
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
-        mp.start_processes(_allreduce_rank, args=(world, store, out, reps), nprocs=world, join=True,
-                           start_method="spawn")
-        with open(out) as fh:
-            first, *lines = fh.read().splitlines()
-        rows = [(int(s), float(t)) for s, t in (line.split() for line in lines)]
+    with tempfile.TemporaryDirectory() as tmp:  # the ranks rendezvous through a FileStore: no port
+        step, interleaved, rows = spawn(_allreduce_rank, world, (os.path.join(tmp, "store"), reps))[0]
     alpha, beta = fit_alpha_beta(rows, world)
-    step, interleaved = (float(v) for v in first.split())
     return alpha, beta, rows, step, interleaved
 
 

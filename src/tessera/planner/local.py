@@ -6,8 +6,8 @@ from tessera.errors import ConfigError
 from tessera.planner.catalog import GpuSpec, from_model_config
 from tessera.planner.search import SearchSpace, search
 
-# Orientation values for a small CPU box (DESIGN.md §9: a 100 MB gloo all-reduce on 2 ranks takes
-# 60–100 ms); `tessera plan --calibrate` measures the real ones.
+# Orientation values for a small CPU box (a 100 MB gloo all-reduce on 2 ranks took 60–100 ms on the
+# 2-core machines this project is tested on); `tessera plan --calibrate` measures the real ones.
 DEFAULT_LOCAL = {"peak_flops": 5e10, "alpha_s": 1e-4, "bytes_per_s": 1.5e9, "hbm_bytes_per_s": 1e10}
 
 

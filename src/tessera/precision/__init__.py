@@ -3,5 +3,6 @@ optimizer, gradient reduction in a configurable dtype, dynamic loss scaling."""
 
 from tessera.precision.config import DTYPES, PrecisionConfig
 from tessera.precision.scaler import LossScaler
+from tessera.precision.unscale import agree_finite, nonfinite, unscale_
 
-__all__ = ["DTYPES", "LossScaler", "PrecisionConfig"]
+__all__ = ["DTYPES", "LossScaler", "PrecisionConfig", "agree_finite", "nonfinite", "unscale_"]

@@ -15,7 +15,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class PrecisionConfig:
     dtype: str = "fp32"  # parameter/compute dtype: fp32, bf16 or fp16 (fp32 master weights when not fp32)
     reduce_dtype: str = ""  # dtype gradients are reduced in; empty: the compute dtype
-    loss_scale: str = "auto"  # "auto": dynamic for fp16, none otherwise; "dynamic"; "none"; or a fixed number
+    # "auto": dynamic for fp16, none otherwise; "dynamic"; "none"; or a fixed number (any layout: the loss is
+    # multiplied by it and the gradients divided by it before the norm, clipping and the step)
+    loss_scale: str = "auto"
     init_scale: float = 65536.0  # dynamic loss scaling: the first scale
     growth_interval: int = 200  # dynamic loss scaling: double the scale after this many clean steps
 

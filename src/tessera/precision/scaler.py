@@ -29,6 +29,11 @@ class LossScaler:
             return cls(scale=1.0, dynamic=False)
         return cls(scale=float(mode), dynamic=False)
 
+    @property
+    def active(self) -> bool:
+        """Whether losses are scaled at all (a dynamic scaler, or a fixed scale other than 1)."""
+        return self.dynamic or self.scale != 1.0
+
     def update(self, finite: bool) -> bool:
         """Record a step's outcome; returns whether the step may be applied."""
         if not finite:

@@ -206,5 +206,5 @@ def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParalle
     if (tied and isinstance(getattr(model, "output", None), VocabParallelHead)
             and getattr(model, "tok_embeddings", None) is not None):  # a last pipeline stage has no embedding
         model.output.weight = model.tok_embeddings.weight  # same rows on each rank: still one tensor
-    model.tensor_parallel = (group, cfg)  # read by clip_grad_norm_ and the trainer
+    model.tensor_parallel = (group, cfg)  # the group and config this model was split with, for callers
     return model

@@ -1,7 +1,7 @@
 """The job configuration: one small dataclass per component, loaded from TOML plus overrides.
 
     [run]        name, output folder, seed, local ranks, device, progress bar
-    [model]      a preset (tiny, small, 124M, 1B, 7B, 70B) and any field of ModelConfig
+    [model]      a preset (tiny, small, moe-small, 124M, 1B, 7B, 70B, ctr) and any field of ModelConfig
     [parallel]   degrees dp_replicate, dp_shard, pp, tp, cp, ep; rank order; collective timeout
     [ddp]        gradient bucket size, unused-parameter handling
     [optim]      AdamW, warm-up + cosine schedule, gradient clipping
@@ -12,9 +12,12 @@
     [precision]  parameter/compute dtype, gradient-reduction dtype, loss scaling
     [checkpointing] activation checkpointing: none, full or selective, every k-th block
     [ps]         parameter-server mode (model.preset = "ctr"): roles, BSP/ASP/SSP, row-wise optimizer
+    [moe] [tensor_parallel] [context_parallel] [pipeline]   options of those strategies
 
-Defaults: ``tessera train`` with no arguments trains the ``small`` preset on the standard-library
-corpus with data parallelism over the local ranks.
+Defaults (these dataclasses'): the ``small`` preset on the standard-library corpus with data parallelism
+over the local ranks; ``tessera train`` given no layout at all runs the 3D demo instead (tessera.cli).
+Validation refuses, with one sentence, anything that cannot run, any non-finite number, and any key the
+user set that the resolved job would not use (:mod:`tessera.train.settings`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import tomli_w
 
+from tessera.composition import validate_composition
 from tessera.context_parallel.config import ContextParallelConfig
 from tessera.data_parallel.config import DDPConfig
 from tessera.errors import ConfigError
@@ -39,6 +43,7 @@ from tessera.topology import ParallelConfig, validate_degrees
 from tessera.train import config_io
 from tessera.train.data import DataConfig
 from tessera.train.optim import OptimConfig
+from tessera.train.settings import check_finite, check_settings_take_effect
 from tessera.zero.config import ZeroConfig
 from tessera.zero.validate import validate_memory_savers
 
@@ -114,6 +119,9 @@ class JobConfig:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # "section.key" -> value for every key the user gave (TOML or override) that differs from its default;
+    # filled by load_config (empty for a config built in code), read by settings.check_settings_take_effect
+    explicit: dict = field(default_factory=dict)
 
 
 SECTIONS = {
@@ -128,21 +136,42 @@ NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the para
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults ← TOML file ← ``--section.key=value`` overrides; types and key names checked."""
+    """Defaults ← TOML file ← ``--section.key=value`` overrides; types and key names checked.
+
+    ``explicit`` of the result records the keys given that differ from their defaults (for ``[model]``,
+    the preset's values), so validation can refuse the ones the job would not use. ``data.seq_len``
+    left unset is 128, or the model's ``max_seq_len`` when that is shorter."""
     raw = config_io.merge(config_io.read_toml(path) if path else {},
                           config_io.parse_overrides(overrides or []))
     config_io.check_sections(raw, SECTIONS)
-    model_raw = dict(raw.pop("model", {}))
-    preset = str(model_raw.pop("preset", "small"))
+    preset = str(raw.get("model", {}).get("preset", "small"))
+    cfg, defaults = _build(raw, preset), _build({}, preset)
+    given = [(section, key) for section, values in raw.items() for key in values
+             if (section, key) != ("model", "preset")]
+    cfg.explicit = {f"{section}.{key}": getattr(getattr(cfg, section), key) for section, key in given
+                    if getattr(getattr(cfg, section), key) != getattr(getattr(defaults, section), key)}
+    return cfg
+
+
+def _build(raw: dict, preset: str) -> JobConfig:
+    model_raw = {k: v for k, v in raw.get("model", {}).items() if k != "preset"}
     sections = {name: cls(**config_io.check_keys(name, raw.get(name, {}), cls))
                 for name, cls in SECTIONS.items() if name != "model"}
     model = model_config("small" if preset in NON_TRANSFORMER_PRESETS else preset,
                          **config_io.check_keys("model", model_raw, ModelConfig))
+    if "seq_len" not in raw.get("data", {}):  # the default fits the model (the tiny preset's 64 tokens)
+        sections["data"].seq_len = min(sections["data"].seq_len, model.max_seq_len)
     return JobConfig(model=model, model_preset=preset, **sections)
 
 
 def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
     """Every check that can be made before a process starts; raises ConfigError with one sentence."""
+    check_finite(cfg, SECTIONS)
+    if cfg.model_preset in NON_TRANSFORMER_PRESETS:  # the parameter-server job reads [ps], [run], [train]
+        for name in ("run", "train", "ps"):
+            getattr(cfg, name).validate()
+        check_settings_take_effect(cfg, cfg.parallel)
+        return cfg
     for name in SECTIONS:
         getattr(cfg, name).validate()
     validate_degrees(cfg.parallel, world_size)
@@ -163,14 +192,13 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
         raise ConfigError("checkpoint.resume=auto needs run.name, so that a restarted job finds its run folder")
     if cfg.checkpoint.resume not in ("", "auto") and not Path(cfg.checkpoint.resume).is_dir():
         raise ConfigError(f"checkpoint.resume: no checkpoint folder at {cfg.checkpoint.resume}")
+    check_settings_take_effect(cfg, dp)
     return cfg
 
 
 def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
     """Shape checks of tensor, context, pipeline and expert parallelism (``parallel`` is resolved)."""
-    from tessera.parallelize import validate_composition
-
-    validate_composition(cfg)
+    validate_composition(cfg, parallel)
     m, tp = cfg.model, parallel.tp
     cfg.tensor_parallel.validate(tp, m, cfg.data.seq_len)
     cfg.context_parallel.check_shapes(parallel.cp, cfg.data.seq_len, m.n_heads // tp, m.n_kv_heads // tp,

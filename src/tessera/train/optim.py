@@ -1,4 +1,5 @@
-"""AdamW with linear warm-up and cosine decay (the ``[optim]`` section), and global-norm clipping."""
+"""AdamW with linear warm-up and cosine decay (the ``[optim]`` section); ``grad_clip`` is applied by
+``tessera.grad_norm.clip_grad_norm``, the one job-wide clipping rule."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.comm.group import CommGroup
 from tessera.errors import ConfigError
-from tessera.grad_norm import clip_pieces, param_pieces
 
 
 @dataclass
@@ -69,17 +68,3 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
 
-
-def clip_grad_norm(params, max_norm: float, sharded_over: list[CommGroup] = ()) -> float:
-    """Clip gradients to a global L2 norm and return the norm before clipping.
-
-    ``sharded_over`` lists the groups across which *different* gradient pieces live (e.g. tensor- or
-    pipeline-parallel peers); their squared norms are summed so every element counts exactly once.
-    Replicated gradients (plain data parallelism) need no communication at all. (The general rule, with
-    parameters replicated along some of those axes, is :mod:`tessera.grad_norm`.)
-    """
-    axes = {group.axis: group for group in sharded_over}
-    pieces = param_pieces(params, lambda p: axes)
-    if not pieces:
-        return 0.0
-    return clip_pieces(pieces, max_norm, axes, pieces[0].grad.device)

@@ -10,6 +10,7 @@ last stage's loss is vocabulary-parallel.
 Per step, on every rank (collectives in the same order everywhere)::
 
     result = ps.forward_backward(batches)      # pipeline step, tied grads summed, dp reduction
+    finite = ps.unscale_gradients(1 / S)       # only with a loss scale S: skip the update unless finite
     norm = ps.clip_grad_norm(max_norm)         # PipeDream async: the norm its in-schedule updates clipped
     if not ps.steps_inside:                    # flush schedules and 2BW: the trainer updates
         ps.step()                              # the optimizer, or ZeRO-1's sharded update + all-gather
@@ -17,8 +18,9 @@ Per step, on every rank (collectives in the same order everywhere)::
 
 Communication: forward and backward p2p on "pp" (executor.py; the pp group's ranks share a tp
 coordinate); tp collectives inside each stage; after the step, one exchange of the tied embedding
-gradient between the first and last pp rank, this stage's gradients summed over "dp" in flattened
-buckets (ZeRO-1: reduce-scattered, then the updated slices all-gathered), the loss broadcast from the
+gradient between the first and last pp rank, this stage's gradients summed over "dp" in buckets of
+``ddp.bucket_mb`` by the data-parallel reducer in manual mode (ZeRO-1: reduce-scattered in
+``zero.bucket_mb`` buckets, then the updated slices all-gathered), the loss broadcast from the
 last stage over "pp" and summed over "dp"; clipping (``tessera.grad_norm``) sums one float over "pp"
 and one over "tp" (and "dp" under ZeRO-1). Shapes: x_BS, y_BS token ids; activation_BsD between stages
 (s = S, or S/tp under SP).
@@ -33,24 +35,21 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.data_parallel import AllReduce, DDPConfig, GradReducer, build_buckets
 from tessera.errors import ConfigError
-from tessera.grad_norm import clip_pieces, param_pieces
+from tessera.grad_norm import clip_grad_norm
 from tessera.parallelize import norm_axes, sharded_axes
 from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
-from tessera.precision import PrecisionConfig
+from tessera.precision import PrecisionConfig, unscale_
 from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
 from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory, param_groups
 from tessera.train.step import IGNORE_INDEX, StepResult, global_token_count
 from tessera.train.strategies import loss_function
 from tessera.zero import ZeroConfig
 from tessera.zero.build import shard_model
-
-BUCKET_BYTES = 25 * 2**20  # gradients flattened into all-reduce buckets of at most this size
-
 
 class PipelineStep:
     """This rank's stages of ``model`` (a seeded reference Transformer identical on every rank), run by the
@@ -62,7 +61,7 @@ class PipelineStep:
     """
 
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
-                 optim_cfg: OptimConfig, tensor_parallel=None, zero=None):
+                 optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None):
         self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
         self.topology = topology
         self.pp: CommGroup = topology.group("pp")
@@ -88,16 +87,33 @@ class PipelineStep:
                                              prepare_stage=prepare, seq_split=self.tp.size if sp else 1)
         self.module = _rank_module(self.pipe)
         self._axes_of = self._param_axes()
-        self.engine = None  # ZeRO-1: a sharded update over dp replaces the optimizer
-        if topology.config.zero_stage == 1:
-            self.engine = shard_model(self.module, param_groups(self.module, optim_cfg),
-                                      optimizer_factory(optim_cfg), topology, 1, zero or ZeroConfig(),
-                                      PrecisionConfig(), self.device, norm_axes=norm_axes(topology, pipeline=True),
-                                      param_axes=self._axes_of)
-            self.optimizer = self.engine.optimizer
-        else:
-            self.optimizer = build_optimizer(self.module, optim_cfg)
+        self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
+        self._loss_scale = 1.0  # forward_backward's loss scale (the in-schedule updates divide it out)
+        self.skipped_inside = 0  # PipeDream async: in-schedule updates of the last batch skipped on inf/nan
         self.last_grad_norm = 0.0  # PipeDream async: the norm before the last in-schedule clipping
+
+    def _data_parallel(self, zero: ZeroConfig, ddp: DDPConfig) -> None:
+        """The reduction of this stage's gradients over "dp", in manual mode (the schedule runs many
+        backwards; ``_reduce_grads`` reduces once per step): ZeRO-1's sharded engine, which replaces the
+        optimizer, or the data-parallel reducer's all-reduce (sum) in ``ddp.bucket_mb`` buckets, with
+        ``ddp.find_unused_parameters``. Both are ``tessera.data_parallel.reducer.GradReducer``."""
+        self.engine = self.reducer = None
+        if self.topology.config.zero_stage == 1:
+            self.engine = shard_model(self.module, param_groups(self.module, self.optim_cfg),
+                                      optimizer_factory(self.optim_cfg), self.topology, 1, zero,
+                                      PrecisionConfig(), self.device,
+                                      norm_axes=norm_axes(self.topology, pipeline=True),
+                                      param_axes=self._axes_of, manual=True)
+            self.optimizer = self.engine.optimizer
+            return
+        self.optimizer = build_optimizer(self.module, self.optim_cfg)
+        if self.dp.size > 1:
+            params = [p for p in self.parameters() if p.requires_grad]
+            buckets = build_buckets(list(reversed(params)), int(ddp.bucket_mb * 2**20))
+            # the buffers are dropped after each reduction (the gradients live on as views until the
+            # optimizer clears them), so no flat copy of the gradients persists between steps
+            self.reducer = GradReducer(buckets, AllReduce(self.dp, "sum", releases=True), hooks=False,
+                                       find_unused=ddp.find_unused_parameters, group=self.dp)
 
     # ---- parameters --------------------------------------------------------------------------------
 
@@ -118,7 +134,8 @@ class PipelineStep:
     def _loss_fn(self, logits_BSV: torch.Tensor, y_BS: torch.Tensor) -> torch.Tensor:
         s, _ = self._loss_parts(logits_BSV, y_BS, ignore_index=IGNORE_INDEX)
         self._sums.append(s.detach().double())
-        return s / torch.as_tensor(self._divisor, dtype=s.dtype)
+        scaled = s / torch.as_tensor(self._divisor, dtype=s.dtype)
+        return scaled * self._loss_scale if self._loss_scale != 1.0 else scaled
 
     def _split(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The rank's whole batch (the sampler's micro-batches concatenated) cut into the schedule's count."""
@@ -131,16 +148,18 @@ class PipelineStep:
         return list(zip(x_BS.chunk(m), y_BS.chunk(m)))
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         activation_tracker=None) -> StepResult:
+                         activation_tracker=None, loss_scale: float = 1.0) -> StepResult:
         """Gradients of the global-mean loss over this dp rank's ``batches`` (summed over "dp" afterwards;
-        PipeDream async has already applied them). The returned loss is the same float on every rank."""
+        PipeDream async has already applied them). The returned loss is the same float on every rank.
+        ``loss_scale`` multiplies the loss before backward (see :meth:`unscale_gradients`); the reported
+        loss is unscaled."""
         total_tokens = global_token_count(batches, self.dp, self.device)
         self._divisor, self._sums = float(total_tokens), []
+        self._loss_scale, self.skipped_inside = loss_scale, 0
         micro = self._split(batches)
         self.timeline.clear()  # keep the last step only: write_timeline measures it
         tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
-        no_sync = self.engine.no_sync() if self.engine is not None else contextlib.nullcontext()
-        with tracking, no_sync:  # every micro-batch in flight at once on this rank counts
+        with tracking:  # every micro-batch in flight at once on this rank counts
             self.pipe.step(micro)
         if not self.steps_inside:
             self._reduce_grads()
@@ -158,31 +177,36 @@ class PipelineStep:
         return total
 
     def _reduce_grads(self) -> None:
-        """Sum this stage's gradients over "dp", flattened into buckets of at most BUCKET_BYTES (ZeRO-1:
-        reduce-scatter each bucket, this rank keeps its slice)."""
+        """Sum this stage's gradients over "dp" in buckets (ZeRO-1: reduce-scatter each bucket, this rank
+        keeps its slice). A stage parameter no micro-batch reached counts as zeros, or, with
+        ``ddp.find_unused_parameters``, keeps ``grad = None`` when no dp rank has a gradient for it."""
         if self.engine is not None:
             self.engine.reduce_gradients()
-            return
-        if self.dp.size == 1:
-            return
-        params = list(self.parameters())
-        for p in params:
-            if p.grad is None:  # a stage parameter no micro-batch reached: zeros, so all ranks agree
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in params:
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= BUCKET_BYTES:
-                _all_reduce_flat(bucket, self.dp)
-                bucket, size = [], 0
-        if bucket:
-            _all_reduce_flat(bucket, self.dp)
+        elif self.reducer is not None:
+            self.reducer.reduce_gradients()
+
+    def unscale_gradients(self, inv_scale: float) -> bool:
+        """Divide this stage's reduced gradients by the loss scale (``inv_scale`` = 1/S) and return whether
+        every rank's are finite (one flag all-reduced over the world group). With ``steps_inside`` the
+        in-schedule updates did that already: whether none of them was skipped (no communication)."""
+        if self.steps_inside:
+            return self.skipped_inside == 0
+        return self._unscale(inv_scale)
+
+    def _unscale(self, inv_scale: float) -> bool:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return unscale_(grads, inv_scale, [self.topology.group("world")], self.device)
 
     def _on_step(self) -> None:
-        """PipeDream async: one update after every micro-batch's backward (the schedule's STEP action)."""
+        """PipeDream async: one update after every micro-batch's backward (the schedule's STEP action);
+        with a loss scale, an update whose gradients overflowed on any rank is skipped on every rank."""
         self._reduce_grads()
-        self.last_grad_norm = self._clip(self.optim_cfg.grad_clip)
+        if self._loss_scale != 1.0 and not self._unscale(1.0 / self._loss_scale):
+            self.skipped_inside += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.last_grad_norm = clip_grad_norm(self.parameters(), norm_axes(self.topology, pipeline=True),
+                                             self.optim_cfg.grad_clip, axes_of=self._axes_of, device=self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -195,7 +219,10 @@ class PipelineStep:
             return self.last_grad_norm
         if self.engine is not None:
             return self.engine.clip_grad_norm(max_norm)[0]
-        return self._clip(max_norm)
+        # the job-wide rule (``tessera.grad_norm``): stage parameters split over pp, tp-split weights over
+        # tp too (``_param_axes``); one all-reduce per axis
+        return clip_grad_norm(self.parameters(), norm_axes(self.topology, pipeline=True), max_norm,
+                              axes_of=self._axes_of, device=self.device)
 
     def step(self) -> None:
         """The optimizer step after ``clip_grad_norm`` (ZeRO-1: update the slices, all-gather over dp)."""
@@ -206,14 +233,6 @@ class PipelineStep:
             self.engine.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def _clip(self, max_norm: float) -> float:
-        """The job-wide norm (``tessera.grad_norm``): stage parameters are split over pp, tp-split
-        weights over tp too; one all-reduce per axis."""
-        pieces = param_pieces(self.parameters(), self._axes_of)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return clip_pieces(pieces, max_norm, norm_axes(self.topology, pipeline=True), self.device, grads)
 
     def _param_axes(self):
         """``axes_of(p)``: "pp" for every stage parameter except the tied embedding and head (two
@@ -236,7 +255,7 @@ class PipelineStep:
         for m in self.pipe.stages.values():
             m.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, token count]
-        self._divisor = 1.0
+        self._divisor, self._loss_scale = 1.0, 1.0
         try:
             for micro in batches:
                 self._sums = []
@@ -263,15 +282,6 @@ class PipelineStep:
             title = f"{self.cfg.schedule} pp={self.pp.size} m={self.pipe.schedule.n_microbatches}"
             write_gantt_png(os.path.join(run_dir, "timeline.png"), events, title, bubble)
         return {"bubble_fraction": bubble}
-
-
-def _all_reduce_flat(params: list[nn.Parameter], group: CommGroup) -> None:
-    """One all-reduce (sum) of the gradients of ``params`` flattened into one buffer."""
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    comm.all_reduce(flat, group)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
 
 
 def _tensor_parallel_stage(stage: nn.Module, tp: CommGroup, cfg) -> nn.Module:

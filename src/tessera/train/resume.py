@@ -106,9 +106,12 @@ def set_scheduler_step(scheduler, optimizer, step: int) -> None:
 
 def check_before_launch(cfg) -> Path | None:
     """The checkpoint a job will resume from, checked in this one process before any rank starts:
-    every file against the manifest (sizes and checksums), and every parameter of the configured model
-    present with its single-process shape. Raises CheckpointError (one sentence naming the file)."""
+    every file against the manifest (sizes and checksums), and every tensor the job will load present
+    with its single-process shape: each parameter of the configured model and each piece of its
+    optimizer's state (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step`` per parameter). Raises
+    CheckpointError (one sentence naming the file and the tensor)."""
     from tessera.models import Transformer
+    from tessera.train.optim import build_optimizer
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None
     if cfg.checkpoint.resume == "auto" and run_dir is None:
@@ -118,5 +121,7 @@ def check_before_launch(cfg) -> Path | None:
         return None
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = Transformer(cfg.model, cfg.moe)
-    verify(path, state_pieces(model, None))
+    # the optimizer the trainer builds; its state keys and shapes are what a load asks for (sharded
+    # engines hold the same tensors under the same single-process names, in slices)
+    verify(path, state_pieces(model, build_optimizer(model, cfg.optim)))
     return path

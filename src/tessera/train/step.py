@@ -44,7 +44,9 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only.
 
     ``dp`` is every group of ranks that see different tokens of the step (dp × cp). ``loss_scale``
-    multiplies the loss before backward (fp16 loss scaling); the reported loss is unscaled.
+    multiplies the loss before backward (loss scaling); the reported loss is unscaled, and the caller
+    divides the scale out of the gradients before reading them (``tessera.precision.unscale_``, or a
+    sharded engine's ``clip_grad_norm(max_norm, inv_scale)``).
     ``loss_fn(logits, targets, ignore_index) -> (sum, count)``, e.g. the vocabulary-parallel loss under tp.
     A mixture-of-experts model's routing losses are added as sums (see ``models/moe.py``) but not reported.
     """

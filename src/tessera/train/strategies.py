@@ -1,8 +1,9 @@
 """What the training step needs to know about the model-parallel strategies, in one place.
 
 The trainer itself stays strategy-agnostic: it asks this module for the loss function (vocabulary-
-parallel under tp), the share of a batch this rank holds (a zig-zag slice of the sequence under cp),
-and how to clip gradients so every parameter element counts exactly once in the global norm.
+parallel under tp) and the share of a batch this rank holds (a zig-zag slice of the sequence under cp).
+Clipping is ``tessera.grad_norm.clip_grad_norm`` over the layout's axes (``tessera.parallelize.norm_axes``
+and ``sharded_axes``).
 """
 
 from __future__ import annotations
@@ -32,21 +33,3 @@ def shard_batch(batch: tuple[torch.Tensor, torch.Tensor], topology: Topology):
     cp = topology.group("cp")
     return tuple(shard_sequence(t, cp) for t in batch)
 
-
-def clip_gradients(model: torch.nn.Module, max_norm: float, topology: Topology) -> float:
-    """Clip to the global norm over the whole job; returns the norm before clipping.
-
-    One rule for every layout (``tessera.grad_norm``): a gradient split along tp (tensor-parallel
-    weights) or ep (experts) adds its squares on every rank of that axis; one replicated along it
-    (norm weights, dense weights under ep, experts under tp) only at coordinate 0; then one all-reduce
-    per split axis. Under dp × cp every gradient is replicated after reduction: no communication.
-    """
-    from tessera.grad_norm import clip_pieces, param_pieces
-    from tessera.parallelize import norm_axes, sharded_axes
-
-    params = list(model.parameters())
-    if not any(p.grad is not None for p in params):
-        return 0.0
-    device = next(p.grad.device for p in params if p.grad is not None)
-    pieces = param_pieces(params, sharded_axes(model, topology))
-    return clip_pieces(pieces, max_norm, norm_axes(topology), device)

@@ -19,8 +19,9 @@ from tessera import comm
 from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
 from tessera.models import Transformer
-from tessera.parallelize import data_parallel_group, is_sharded, parallelize
-from tessera.precision import LossScaler
+from tessera.grad_norm import clip_grad_norm
+from tessera.parallelize import data_parallel_group, is_sharded, norm_axes, parallelize, sharded_axes
+from tessera.precision import LossScaler, unscale_
 from tessera.topology import Topology
 from tessera.checkpoint import prune, step_path
 from tessera.train import resume
@@ -32,7 +33,7 @@ from tessera.train.metrics import MetricsWriter, finite
 from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
 from tessera.train.rundir import resolve_run_dir
 from tessera.train.step import evaluate, forward_backward
-from tessera.train.strategies import clip_gradients, loss_function, shard_batch
+from tessera.train.strategies import loss_function, shard_batch
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Trainer:
         self.cfg = cfg
         self.device = device
         self.ledger = CommLedger()
-        self.topology = Topology.build(cfg.parallel, self.ledger)
+        self.topology = Topology.build(cfg.parallel, self.ledger, device)
         self.world = self.topology.group("world")
         self.dp = self.topology.group("dp")  # data-parallel coordinate: which slice of the batch
         self.tokens_group = data_parallel_group(self.topology)  # ranks holding different tokens: dp × cp
@@ -66,7 +67,8 @@ class Trainer:
             from tessera.train.pipeline_step import PipelineStep
 
             self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
-                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)  # tp per stage, ZeRO-1 over dp
+                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero,
+                                     ddp=cfg.ddp)  # tp per stage; dp: ddp buckets, or ZeRO-1
             self.core = self.model = self.pipe.module
             self.engine = self.pipe.engine  # ZeRO-1: stepped like any sharded engine (clip, step, zero_grad)
             self.optimizer = self.pipe.optimizer
@@ -182,18 +184,21 @@ class Trainer:
                    for ids in self.sampler.next_step()]
         tracker = self.memory.track_activations if track else None
         if self.pipe is not None:
-            result = self.pipe.forward_backward(batches, activation_tracker=tracker)
+            result = self.pipe.forward_backward(batches, activation_tracker=tracker, loss_scale=self.scaler.scale)
         else:
             result = forward_backward(self.model, batches, self.tokens_group, self.device, activation_tracker=tracker,
                                       loss_scale=self.scaler.scale, loss_fn=self.loss_fn)
         if self.engine is not None:
             grad_norm = self._engine_update()
+        elif not self._unscaled():  # with a loss scale: inf/nan gradients on any rank skip the step everywhere
+            grad_norm = None
         elif self.pipe is not None:
             grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
             if not self.pipe.steps_inside:  # PipeDream updates inside the pipeline, after each backward
                 self.pipe.step()  # the optimizer, or ZeRO-1's sharded update + all-gather over dp
         else:
-            grad_norm = clip_gradients(self.core, self.cfg.optim.grad_clip, self.topology)
+            grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
+                                       axes_of=sharded_axes(self.core, self.topology))
             self.optimizer.step()
         self.scheduler.step()
         if track:
@@ -216,6 +221,20 @@ class Trainer:
             return None
         self.engine.step()
         return norm
+
+    def _unscaled(self) -> bool:
+        """Without a loss scale: True (nothing to undo). With one: divide the gradients by it (before the
+        norm, clipping and the step), agree job-wide whether they are finite and record that in the
+        scaler; False means this step is skipped. (A sharded engine does this in ``clip_grad_norm``.)"""
+        if not self.scaler.active:
+            return True
+        inv_scale = 1.0 / self.scaler.scale
+        if self.pipe is not None:
+            finite = self.pipe.unscale_gradients(inv_scale)
+        else:
+            grads = [p.grad for p in self.core.parameters() if p.grad is not None]
+            finite = unscale_(grads, inv_scale, [self.world], self.device)
+        return self.scaler.update(finite)
 
     def _log_skip(self, step: int) -> None:
         """A skipped step is never silent: a line on rank 0 now, and ``skipped_at`` / ``skipped_steps``

@@ -33,7 +33,7 @@ def shard_model(model: nn.Module, param_groups: list[dict],
                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], topology: Topology,
                 stage: int, zero: ZeroConfig, precision: PrecisionConfig, device: torch.device,
                 block_class: type | None = None, norm_axes: dict[str, CommGroup] | None = None,
-                param_axes=None) -> nn.Module:
+                param_axes=None, manual: bool = False) -> nn.Module:
     """ZeRO-``stage`` over ``dp_shard`` (replicated over ``dp_replicate``); stage 0 here means DDP with
     fp32 master weights over the whole ``dp`` group (used for mixed precision without sharding).
 
@@ -44,6 +44,8 @@ def shard_model(model: nn.Module, param_groups: list[dict],
     Under context parallelism the cp ranks hold the same parameters and see different tokens, so they
     join the shard group (``dp_shard`` × ``cp``, or ``dp`` × ``cp``). ``norm_axes`` / ``param_axes``:
     the further axes some parameters are split on (tensor parallelism), for the clipping norm.
+    ``manual``: ZeRO-1/2 reduce only when ``engine.reduce_gradients()`` is called, never from backward
+    hooks (a pipeline schedule runs many backwards per step).
     """
     offload = torch.device("cpu") if zero.offload else None
     dtypes = dict(param_dtype=precision.param_dtype, reduce_dtype=precision.grad_reduce_dtype,
@@ -51,14 +53,15 @@ def shard_model(model: nn.Module, param_groups: list[dict],
     cp = topology.size("cp") > 1
     shard, replicate = topology.group("dp_shard_cp" if cp else "dp_shard"), topology.group("dp_replicate")
     if topology.size("dp_shard") == 1:  # no hybrid layout asked for: shard over every data-parallel rank
-        shard, replicate = topology.group("dp_cp" if cp else "dp"), CommGroup.single("dp_replicate", topology.ledger)
+        shard, replicate = (topology.group("dp_cp" if cp else "dp"),
+                            CommGroup.single("dp_replicate", topology.ledger, topology.device))
     if stage == 0:
-        shard, replicate, stage = (CommGroup.single("dp_shard", topology.ledger),
+        shard, replicate, stage = (CommGroup.single("dp_shard", topology.ledger, topology.device),
                                    topology.group("dp_cp" if cp else "dp"), 1)
     extra = dict(norm_axes=norm_axes, param_axes=param_axes)
     if stage in (1, 2):
         return ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, stage,
-                                bucket_mb=zero.bucket_mb, **dtypes, **extra)
+                                bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
     return FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
                                     wrap_policy(zero, block_class, model), device,
                                     reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,

@@ -6,19 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.data_parallel.buckets import offsets_of, padded_size
 
-def padded_size(numel: int, world: int) -> int:
-    """The smallest multiple of ``world`` that holds ``numel`` elements (at least ``world``)."""
-    return max(-(-numel // world), 1) * world
-
-
-def offsets_of(params: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Start offset of each tensor in a flat buffer, and the unpadded total."""
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    return offsets, total
+__all__ = ["flatten_fp32", "named_params_by_id", "offsets_of", "padded_size", "rank_slice", "slice_segments"]
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from torch import nn
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.zero.flat import flatten_fp32, offsets_of, padded_size, rank_slice
+from tessera.zero.reduce import SliceReduction, accumulate
 from tessera.zero.shards import Shard, make_master
 
 
@@ -92,22 +93,16 @@ class FlatParam:
                 setattr(owner, attr, view)
 
     # ---- gradients ---------------------------------------------------------------------------------
-    def launch_reduce(self, grad: torch.Tensor | None, reduce_dtype: torch.dtype):
-        """Start the reduce-scatter (sum) of a full gradient [P] (zeros if None); returns the pending
-        (handle, output [n], input) triple."""
+    def launch_reduce(self, grad: torch.Tensor | None, reduction: SliceReduction):
+        """Start the reduction of a full gradient [P] (zeros if None) into this rank's slice; returns
+        the pending state for ``reduction.finish``."""
         if grad is None:
-            grad = torch.zeros(self.size, dtype=reduce_dtype, device=self.device)
-        src = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
-        out = torch.empty(self.size // self.group_shard.size, dtype=reduce_dtype, device=self.device)
-        return comm.reduce_scatter(out, src, self.group_shard, op="sum", async_op=True), out, src
+            grad = torch.zeros(self.size, dtype=reduction.dtype, device=self.device)
+        return reduction.start(grad)
 
     def keep_grad(self, out: torch.Tensor) -> None:
         """Accumulate a reduced gradient slice (moved to the shard's home when offloading)."""
-        out = out.to(self.shard.param.device, non_blocking=True)
-        if self.shard.grad is None:
-            self.shard.grad = out
-        else:
-            self.shard.grad.add_(out)
+        accumulate(self.shard, out)
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """name → full parameter (a collective: gathers, copies out, frees unless already gathered)."""

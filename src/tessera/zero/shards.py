@@ -18,7 +18,8 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
-from tessera.grad_norm import GradPiece, global_grad_norm, scale_to
+from tessera.grad_norm import GradPiece, clip_grad_norm
+from tessera.precision.unscale import agree_finite, nonfinite
 
 
 @dataclass(eq=False)
@@ -45,7 +46,8 @@ class ShardedUpdate:
 
     ``make_optimizer(param_groups)`` builds the torch optimizer; ``group_options[g]`` are the extra
     options of group g (e.g. ``{"weight_decay": 0.1}``). ``shard_group`` holds the different slices
-    (their norms are summed); ``check_groups`` are every group whose ranks could see an overflow.
+    (their norms are summed); ``check_groups`` are groups that together span the job (shard, replicate
+    and every norm axis), so an overflow anywhere makes every rank skip the step.
     ``norm_axes``: further axes some parameters are split on (e.g. ``{"tp": group}`` when the model is
     tensor-parallel); a shard's ``segments`` say which parts of it are (see ``tessera.grad_norm``).
     """
@@ -67,7 +69,6 @@ class ShardedUpdate:
     def prepare_grads(self, inv_scale: float) -> bool:
         """master.grad = fp32(grad) / loss scale (on the master's device); returns whether all ranks'
         gradients are finite (one tiny all-reduce per check group)."""
-        flag = torch.zeros((), dtype=torch.float32, device=self.device)
         for s in self.shards:
             g = s.grad if s.grad is not None else torch.zeros_like(s.param)
             g32 = g.to(s.master.device, dtype=torch.float32, non_blocking=True)
@@ -76,17 +77,13 @@ class ShardedUpdate:
             elif inv_scale != 1.0:
                 g32.mul_(inv_scale)
             s.master.grad = g32
-            flag = torch.maximum(flag, (~torch.isfinite(g32)).any().float().to(flag.device))
-        for group in self.check_groups:
-            comm.all_reduce(flag, group, op="max")
-        return not bool(flag)
+        return agree_finite(nonfinite([s.master.grad for s in self.shards], self.device), self.check_groups)
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradient over every shard (each element counted once); scale to max_norm."""
-        norm = global_grad_norm(self.norm_pieces(), self.norm_axes, self.device)
-        scale_to([s.master.grad for s in self.shards], norm, max_norm)
-        return float(norm)
+        return clip_grad_norm(self.norm_pieces(), self.norm_axes, max_norm, device=self.device,
+                              scale=[s.master.grad for s in self.shards])  # the pieces are views of these
 
     def norm_pieces(self) -> list[GradPiece]:
         """The master gradients as norm pieces: each slice (or each parameter's part of it) is

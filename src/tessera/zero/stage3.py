@@ -6,7 +6,15 @@ forward (the next unit's all-gather is started right after, so it overlaps this 
 after the forward when ``reshard_after_forward``. Backward communication: the all-gather again just
 before the unit's backward (prefetching the unit before it), then one reduce-scatter (sum) of the
 unit's gradient as soon as its backward ends, and, with hybrid sharding, an all-reduce of the slice
-over ``dp_replicate``. Per step: 2 all-gathers + 1 reduce-scatter = 1.5× DDP's bytes.
+over ``dp_replicate`` (ZeRO's one slice reduction, ``tessera.zero.reduce``). Per step: 2 all-gathers +
+1 reduce-scatter = 1.5× DDP's bytes.
+
+Why not the data-parallel reducer's buckets and in-order launch (``tessera.data_parallel.reducer``,
+which ZeRO-1/2 use): here a unit's gradient arrives already flat in ``full.grad`` (the unit is the
+bucket, chosen by the wrap policy, with no copy into a slot), and it must be reduced, then the unit's
+parameters and gradient freed, the moment that unit's backward ends, in the order autograd finishes
+the units; holding it until every earlier-indexed unit is done would keep full parameters and
+gradients alive, which is what ZeRO-3 exists to avoid. There is no ``no_sync`` (every backward reduces).
 
 Works with activation checkpointing: a recomputed forward runs the pre-forward hook again, which
 finds the unit already gathered for its backward and does not free it afterwards.
@@ -17,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.zero.flat import named_params_by_id, slice_segments
 from tessera.zero.flat_param import FlatParam
+from tessera.zero.reduce import SliceReduction
 from tessera.zero.shards import ShardedUpdate
 from tessera.zero.wrap import Policy, select_units, unit_settings
 
@@ -74,6 +82,7 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.shard_group, self.replicate_group = shard, replicate
         self.reduce_dtype = reduce_dtype or param_dtype
+        self.reduction = SliceReduction(shard, replicate, self.reduce_dtype)
         self.prefetch = prefetch
         group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
         names = named_params_by_id(module)
@@ -100,12 +109,12 @@ class FullyShardedDataParallel(nn.Module):
             for f in flats:
                 f.full.register_post_accumulate_grad_hook(lambda t, u=unit, f=f: self._post_backward(u, f))
         self.order: list[Unit] = []  # forward order, recorded on the first forward
-        self._pending: list = []  # (flat, handle, out, src) reduce-scatters in launch order
+        self._pending: list = []  # (flat, pending reduction) in launch order
         self._queued = False
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.flats = [f for u in self.units for f in u.flats]
         self.update = ShardedUpdate([f.shard for f in self.flats], options, make_optimizer, shard,
-                                    [shard, replicate], device, norm_axes)
+                                    [shard, replicate, *(norm_axes or {}).values()], device, norm_axes)
         self.optimizer = self.update.optimizer
 
     def forward(self, *args, **kwargs):
@@ -149,17 +158,15 @@ class FullyShardedDataParallel(nn.Module):
     def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
         grad, flat.full.grad = flat.full.grad, None
         flat.reduced = True
-        self._pending.append((flat, *flat.launch_reduce(grad, self.reduce_dtype)))
+        self._pending.append((flat, flat.launch_reduce(grad, self.reduction)))
         flat.reshard()
         # the earlier reduce-scatters had this unit's backward to overlap with: finish them now, so
         # at most one full gradient stays alive while backward goes on
         while len(self._pending) > 1:
             self._complete(*self._pending.pop(0))
 
-    def _complete(self, flat: FlatParam, handle, out: torch.Tensor, src: torch.Tensor) -> None:
-        handle.wait()
-        comm.all_reduce(out, self.replicate_group, op="sum")
-        flat.keep_grad(out)
+    def _complete(self, flat: FlatParam, pending) -> None:
+        flat.keep_grad(self.reduction.finish(pending))
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -167,7 +174,7 @@ class FullyShardedDataParallel(nn.Module):
         calls), wait for the reduce-scatters in launch order, all-reduce across replicas, keep slices."""
         for f in self.flats:
             if not f.reduced:
-                self._pending.append((f, *f.launch_reduce(None, self.reduce_dtype)))
+                self._pending.append((f, f.launch_reduce(None, self.reduction)))
         for pending in self._pending:
             self._complete(*pending)
         self._pending.clear()

@@ -36,7 +36,7 @@ def _groups(tp: CommGroup, tp_partition, shape: tuple[int, ...], axis_names: tup
         pg = None
         if shape[a] > 1:
             pg, _ = dist.new_subgroups_by_enumeration([list(p) for p in parts], timeout=tp.timeout)
-        mine[name] = CommGroup(name, pg, part, tp.global_rank, tp.ledger, tp.timeout)
+        mine[name] = CommGroup(name, pg, part, tp.global_rank, tp.ledger, tp.timeout, tp.device)
     return mine
 
 

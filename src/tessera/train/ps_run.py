@@ -3,6 +3,8 @@
 The job starts its own server and worker processes (it is not a set of collective ranks), so it is
 refused under torchrun. The run folder gets ``config.toml``, ``metrics.jsonl`` (worker 0's loss per
 step), ``summary.json`` (AUC, its ceiling, staleness histograms, bytes, examples/s) and ``tables/``.
+It lives in the training layer, beside the run folders and configs it uses; the parameter server
+itself (``tessera.parameter_server``) knows neither.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ from pathlib import Path
 
 from tessera.errors import ConfigError
 from tessera.parameter_server.job import run_ps_job
+from tessera.train.config import save_config
+from tessera.train.rundir import first_free
 
 
 def train_ctr(cfg) -> dict:
     """``cfg`` is the job config (tessera.train.config.JobConfig): uses ``ps``, ``train.steps`` and ``run``."""
-    from tessera.train.config import save_config
-    from tessera.train.rundir import first_free
-
     if "TORCHELASTIC_RUN_ID" in os.environ:
         raise ConfigError("the parameter-server mode (model.preset=ctr) starts its own processes: "
                           "run it without torchrun")

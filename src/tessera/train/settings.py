@@ -1,0 +1,166 @@
+"""Every setting a user writes changes what happens, or is refused with one sentence before any rank starts.
+
+Two rules, checked by :func:`tessera.train.config.validate_config`:
+
+- **Finite numbers.** No number anywhere in the configuration may be nan or ±inf (no key gives them a
+  meaning): ``--optim.lr=nan`` would otherwise train on nothing, or deep inside a rank fail.
+- **No setting without effect.** A key the user set explicitly (in the TOML file or as an override) to
+  a value other than its default, which the resolved layout does not use, is refused: a ``[pipeline]``
+  key with ``parallel.pp = 1``, ``[tensor_parallel]`` with ``tp = 1``, ``[moe]`` for a dense model,
+  ``[ps]`` outside the parameter-server mode, a key ``parallel.auto`` chooses itself, …  Each such case
+  is one :class:`Scope` row of :data:`SCOPES` (which keys, when they act): one table, one check.
+  Defaults are never refused, so the resolved ``config.toml`` a run writes (every key, resolved) is
+  accepted back by ``--config``.
+
+Not here: keys whose effect is settled at run time by the strategy that reads them
+(``precision.loss_scale``, which every path divides out again), and the launch keys of ``[run]``,
+which ``torchrun`` documents as its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from tessera.errors import ConfigError
+
+# string keys whose text may be a number (checked for finiteness like the float keys)
+NUMBER_TEXT = ("precision.loss_scale",)
+# what the parameter-server mode (model.preset = "ctr") reads besides [ps]; every other key is unused
+CTR_READS = ("run.name", "run.out_dir", "run.seed", "run.progress", "train.steps", "train.log_every")
+# what parallel.auto writes over (tessera.train.auto_layout)
+AUTO_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.pp", "parallel.tp", "parallel.cp",
+             "parallel.ep", "parallel.zero_stage", "tensor_parallel.sequence_parallel", "pipeline.schedule",
+             "data.micro_batch_size")
+ZERO3_KEYS = ("zero.reshard_after_forward", "zero.prefetch", "zero.wrap_policy")
+
+
+# ---- finite numbers -----------------------------------------------------------------------------
+
+
+def _finite(value, key: str) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v, key) for v in value)
+    if isinstance(value, str) and key in NUMBER_TEXT:
+        try:
+            return math.isfinite(float(value))
+        except ValueError:
+            return True  # a word ("auto", "dynamic"): the section's own check judges it
+    return True
+
+
+def check_finite(cfg, sections) -> None:
+    """Raise ConfigError naming the first key of ``sections`` (names of JobConfig fields) holding nan/inf."""
+    for name in sections:
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(section):
+            value, key = getattr(section, f.name), f"{name}.{f.name}"
+            if not _finite(value, key):
+                raise ConfigError(f"{key}={value!r} is not a finite number; every number in the "
+                                  f"configuration must be finite")
+
+
+# ---- settings that take effect ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Keys that act only when ``applies(cfg, par)`` holds (``par``: the resolved ParallelConfig).
+    ``only`` says when they act, ``now(cfg, par)`` why they do not in this job."""
+
+    covers: Callable[[str], bool]
+    applies: Callable
+    only: str
+    now: Callable
+
+
+def _keys(*names: str) -> Callable[[str], bool]:
+    """Matches each of ``names``: a whole section (``"pipeline"``) or one key (``"pipeline.layers"``)."""
+    return lambda key: key in names or key.split(".", 1)[0] in names
+
+
+def _all_but(*names: str) -> Callable[[str], bool]:
+    inside = _keys(*names)
+    return lambda key: key != "model.preset" and not inside(key)
+
+
+def _engine(cfg, par) -> bool:
+    """A ZeRO / fp32-master engine holds the optimizer (tessera.parallelize, train/pipeline_step)."""
+    p = cfg.precision
+    low = p.dtype != "fp32" or (p.reduce_dtype or p.dtype) != p.dtype
+    return par.zero_stage > 0 or (par.pp == 1 and par.ep == 1 and low)
+
+
+def _ddp(cfg, par) -> bool:
+    """DistributedDataParallel reduces the gradients (a pipeline's data parallelism and expert parallelism's
+    two reducers, dense over dp and experts over edp, read [ddp] too)."""
+    return not _engine(cfg, par) and par.dp_replicate * par.dp_shard * par.cp > 1
+
+
+def _no_ddp(cfg, par) -> str:
+    if _engine(cfg, par):
+        return (f"a ZeRO engine reduces the gradients here (parallel.zero_stage={par.zero_stage}, "
+                f"precision.dtype={cfg.precision.dtype})")
+    return "this layout has a single data-parallel rank"
+
+
+def _dynamic(cfg, par) -> bool:
+    scale = cfg.precision.loss_scale
+    return scale == "dynamic" or (scale == "auto" and cfg.precision.dtype == "fp16")
+
+
+SCOPES: tuple[Scope, ...] = (
+    Scope(_keys(*AUTO_KEYS), lambda c, p: not c.parallel.auto, "when the layout is chosen by hand",
+          lambda c, p: "parallel.auto=true chooses it"),
+    Scope(_keys("ps"), lambda c, p: c.model_preset == "ctr", "in the parameter-server mode (model.preset=ctr)",
+          lambda c, p: f"model.preset={c.model_preset!r}"),
+    Scope(_all_but("ps", *CTR_READS), lambda c, p: c.model_preset != "ctr", "to the collective trainer",
+          lambda c, p: "model.preset='ctr' runs the parameter-server job, which reads only [ps], "
+                       "train.steps, train.log_every and run.name, out_dir, seed and progress"),
+    Scope(_keys("pipeline"), lambda c, p: p.pp > 1, "with pipeline parallelism (parallel.pp > 1)",
+          lambda c, p: f"parallel.pp={p.pp}"),
+    Scope(_keys("pipeline.layers"), lambda c, p: c.pipeline.partition == "explicit",
+          "with pipeline.partition='explicit'", lambda c, p: f"pipeline.partition={c.pipeline.partition!r}"),
+    Scope(_keys("pipeline.layer_costs"), lambda c, p: c.pipeline.partition == "cost",
+          "with pipeline.partition='cost'", lambda c, p: f"pipeline.partition={c.pipeline.partition!r}"),
+    Scope(_keys("pipeline.microbatches"), lambda c, p: c.pipeline.schedule != "naive",
+          "to schedules that split the batch", lambda c, p: "pipeline.schedule='naive' runs it whole"),
+    Scope(_keys("tensor_parallel"), lambda c, p: p.tp > 1, "with tensor parallelism (parallel.tp > 1)",
+          lambda c, p: f"parallel.tp={p.tp}"),
+    Scope(_keys("tensor_parallel.depth"), lambda c, p: c.tensor_parallel.mode == "2.5d",
+          "to tensor_parallel.mode='2.5d'", lambda c, p: f"tensor_parallel.mode={c.tensor_parallel.mode!r}"),
+    Scope(_keys("context_parallel"), lambda c, p: p.cp > 1, "with context parallelism (parallel.cp > 1)",
+          lambda c, p: f"parallel.cp={p.cp}"),
+    Scope(_keys("moe", "model.moe_every"), lambda c, p: c.model.num_experts > 0,
+          "to a mixture-of-experts model (model.num_experts > 0)", lambda c, p: "model.num_experts=0"),
+    Scope(_keys("moe.jitter_eps"), lambda c, p: c.moe.noisy_gate_policy == "jitter",
+          "with moe.noisy_gate_policy='jitter'", lambda c, p: f"moe.noisy_gate_policy={c.moe.noisy_gate_policy!r}"),
+    Scope(_keys("zero"), _engine, "when a ZeRO engine holds the optimizer (parallel.zero_stage >= 1, or "
+          "mixed precision outside a pipeline)", lambda c, p: "parallel.zero_stage=0 in fp32"),
+    Scope(_keys(*ZERO3_KEYS), lambda c, p: p.zero_stage == 3, "to ZeRO-3 (parallel.zero_stage=3)",
+          lambda c, p: f"parallel.zero_stage={p.zero_stage}"),
+    Scope(_keys("zero.min_params"), lambda c, p: p.zero_stage == 3 and c.zero.wrap_policy == "size",
+          "to ZeRO-3 with zero.wrap_policy='size'",
+          lambda c, p: f"parallel.zero_stage={p.zero_stage}, zero.wrap_policy={c.zero.wrap_policy!r}"),
+    Scope(_keys("ddp"), _ddp, "when DDP reduces the gradients", _no_ddp),
+    Scope(_keys("precision.init_scale", "precision.growth_interval"), _dynamic,
+          "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
+          lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
+    Scope(_keys("checkpointing.every"), lambda c, p: c.checkpointing.mode != "none",
+          "with activation checkpointing (checkpointing.mode full or selective)",
+          lambda c, p: "checkpointing.mode='none'"),
+)
+
+
+def check_settings_take_effect(cfg, parallel) -> None:
+    """Raise ConfigError for the first key in ``cfg.explicit`` (the user's keys that differ from their
+    defaults) that the job resolved to ``parallel`` (a resolved ParallelConfig) would not use."""
+    for key, value in cfg.explicit.items():
+        for scope in SCOPES:
+            if scope.covers(key) and not scope.applies(cfg, parallel):
+                raise ConfigError(f"{key}={value!r} has no effect in this job: it applies only {scope.only}, "
+                                  f"but {scope.now(cfg, parallel)}; remove it or change that")

@@ -1,0 +1,89 @@
+"""The gradient reduction of every ZeRO stage: a flat gradient [P] becomes this rank's reduced slice [P/N].
+
+Reduce-scatter (sum) of the flat gradient over the shard group (N ranks), then, with hybrid sharding, an
+all-reduce (sum) of the slice over the replicas: (N-1)/N·P (+ 2(R-1)/R·P/N) elements per rank. ZeRO-1/2
+reduce a bucket of the data-parallel reducer this way (:class:`ZeroReduction`, a
+``tessera.data_parallel.reducer.Reduction``); ZeRO-3 reduces each unit's flat parameter gradient with the
+same :class:`SliceReduction` as soon as the unit's backward ends (``stage3.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera import comm
+from tessera.comm.group import CommGroup
+from tessera.data_parallel.buckets import Bucket
+from tessera.data_parallel.reducer import Reduction
+from tessera.zero.flat import rank_slice
+from tessera.zero.shards import Shard
+
+
+@dataclass
+class SliceReduction:
+    shard: CommGroup
+    replicate: CommGroup
+    dtype: torch.dtype  # the dtype gradients travel and are kept in
+
+    def start(self, grad: torch.Tensor) -> tuple:
+        """Launch the reduce-scatter of ``grad`` [P] (cast to the reduce dtype); returns the pending
+        (handle, output slice [P/N], input) triple."""
+        src = grad if grad.dtype == self.dtype else grad.to(self.dtype)
+        out = torch.empty(src.numel() // self.shard.size, dtype=self.dtype, device=src.device)
+        return comm.reduce_scatter(out, src, self.shard, op="sum", async_op=True), out, src
+
+    def finish(self, pending: tuple) -> torch.Tensor:
+        """Wait for the reduce-scatter, sum the slice across replicas; the reduced slice [P/N]."""
+        handle, out, _ = pending
+        handle.wait()
+        comm.all_reduce(out, self.replicate, op="sum")
+        return out
+
+
+def accumulate(shard: Shard, out: torch.Tensor) -> None:
+    """Add a reduced slice into ``shard.grad`` (kept where the shard's parameters live)."""
+    out = out.to(shard.param.device, non_blocking=True)
+    if shard.grad is None:
+        shard.grad = out
+    else:
+        shard.grad.add_(out)
+
+
+class ZeroReduction(Reduction):
+    """ZeRO-1/2 bucket reduction: ``shards[k]`` is this rank's Shard of bucket k.
+
+    ZeRO-1 keeps the full gradient buffers (the reduced slice is written into this rank's part of the
+    buffer and ``shard.grad`` is a view of it) and reduces once per optimizer step: ``no_sync``
+    accumulates micro-batches locally, and a second synchronised pass before ``zero_grad`` is an error.
+    ZeRO-2 reduces every backward into a persistent slice and frees each bucket's full gradient once
+    its reduce-scatter is complete (eagerly, when the next bucket launches: about two buckets of full
+    gradients exist at a time)."""
+
+    def __init__(self, stage: int, slices: SliceReduction, shards: list[Shard]):
+        self.stage, self.slices, self.shards = stage, slices, shards
+        self.keeps_views = self.defers = stage == 1
+        self.releases = self.eager = stage == 2
+        self.reduced = False  # ZeRO-1: this step's gradients were reduced already
+
+    def begin(self) -> None:
+        if self.stage == 1 and self.reduced:
+            raise RuntimeError("ZeRO-1 reduces gradients once per optimizer step; accumulate "
+                               "micro-batches inside no_sync() and synchronise only the last one")
+
+    def launch(self, bucket: Bucket) -> object:
+        return self.slices.start(bucket.buffer)
+
+    def complete(self, bucket: Bucket, pending: object) -> None:
+        out = self.slices.finish(pending)
+        shard = self.shards[bucket.index]
+        if self.stage == 1:  # the reduced slice lives inside the full buffer: no extra copy held
+            mine = rank_slice(bucket.buffer, self.slices.shard.rank, self.slices.shard.size)
+            mine.copy_(out)
+            shard.grad = mine
+        else:
+            accumulate(shard, out)
+
+    def end(self) -> None:
+        self.reduced = self.stage == 1
