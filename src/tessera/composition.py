@@ -1,5 +1,6 @@
-"""Which strategy pairings this version can train: the one validity rule the trainer, ``parallel.auto``
-and the planner's search share.
+"""Which strategy pairings this version can train: the one validity rule of the trainer and of
+``parallel.auto`` (whose planner search accepts only layouts that pass it). ``tessera plan``'s search over
+catalogue GPUs does not consult it yet, so it may recommend a layout the trainer refuses.
 
 A pairing that cannot be composed fails here, before any rank starts, with one sentence that says why and
 what to change (docs/HYBRID.md lists every supported and refused combination). The rule reads the

@@ -16,7 +16,7 @@ from tessera.planner import choose_local_layout
 def apply_auto_layout(cfg, world_size: int) -> dict:
     """Fill ``cfg.parallel`` (and sequence parallelism, schedule, micro-batch) from the planner; returns
     the chosen degrees with the predicted step time. ``cfg`` is a JobConfig, changed in place."""
-    from tessera.parallelize import validate_composition
+    from tessera.composition import validate_composition
 
     def composable(degrees: dict) -> bool:
         trial = copy.deepcopy(cfg)
