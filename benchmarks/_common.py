@@ -32,6 +32,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
 
 
+def command_line() -> str:
+    """How this script was run, as a doc line records it: ``python benchmarks/x.py --rounds 7``."""
+    import shlex
+    import sys
+
+    return shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
 def load_note() -> str:
     """The machine's 1-minute load average now, for the doc line (CPU timings are only as quiet as this)."""
     return f"1-minute load average {os.getloadavg()[0]:.1f} at the end of the run on {os.cpu_count()} cores"

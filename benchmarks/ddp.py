@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DOCS, ab_summary, bench_parser, interleaved_times, machine,  # noqa: E402
+from _common import (DOCS, ab_summary, bench_parser, command_line, interleaved_times, machine,  # noqa: E402
                      no_forward_buffer_sync, pool_manager, replace_section, token_batch)
 
 from tessera.data_parallel import DistributedDataParallel  # noqa: E402
@@ -65,7 +65,7 @@ def bench_worker(rank, world_size, preset, batch, seq, rounds, steps, warmup, bu
 
 def write_doc(rows: list[str], args, params: int) -> None:
     replace_section(DOC, "ddp", "Data parallel: tessera DDP vs torch DDP (CPU, gloo)", [
-        f"Measured by `python benchmarks/ddp.py` on {machine()}. Model: `{args.preset}` preset "
+        f"Measured by `{command_line()}` on {machine()}. Model: `{args.preset}` preset "
         f"({params / 1e6:.2f}M parameters, {params * 4 / 2**20:.1f} MiB of fp32 gradients); per rank a "
         f"batch of {args.batch}×{args.seq} tokens; AdamW; bucket {args.bucket_mb} MiB for both; "
         f"{args.rounds} interleaved rounds of {args.warmup} warm-up + {args.steps} timed steps each. "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DOCS, bench_parser, interleaved_times, machine, pool_manager,  # noqa: E402
+from _common import (DOCS, bench_parser, command_line, interleaved_times, machine, pool_manager,  # noqa: E402
                      replace_section, slowest_medians, token_batch)
 
 from tessera.data_parallel import DistributedDataParallel  # noqa: E402
@@ -199,7 +199,7 @@ def rows_for(world: int, s: dict, peaks: dict[str, int]) -> list[str]:
 
 def write_doc(rows: list[str], args, params: int, load: str) -> None:
     replace_section(DOC, "zero", "ZeRO-1/2/3 vs torch FSDP2 and DDP (CPU, gloo)", [
-        f"Measured by `python benchmarks/zero.py` on {machine()}; {load}. Model: `{args.preset}` preset "
+        f"Measured by `{command_line()}` on {machine()}; {load}. Model: `{args.preset}` preset "
         f"({params / 1e6:.2f}M parameters), fp32, AdamW, clipping at 1.0; per rank a batch of "
         f"{args.batch}×{args.seq} tokens; {args.rounds} interleaved rounds of {args.warmup} warm-up + "
         f"{args.steps} timed steps per variant. Step = median over rounds of the slowest rank's median; "
