@@ -104,6 +104,15 @@ def test_export_refuses_unknown_flags(tmp_path, capsys):
     assert "tessera export does not take --output" in one_sentence(capsys)
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["export", "ckpt", "--train.steps=3"], "tessera export does not take --train.steps=3"),
+    (["plan", "--model", "llama3-8b", "--train.steps=3", "extra"], "tessera plan does not take --train.steps=3 extra"),
+])
+def test_only_train_takes_free_form_overrides(capsys, argv, refused):
+    assert main(argv) == 2
+    assert one_sentence(capsys) == f"tessera: error: {refused}; see {refused.split(' does')[0]} --help"
+
+
 def test_a_usage_error_is_one_line_too(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export"])

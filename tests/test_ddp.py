@@ -134,7 +134,7 @@ def test_buckets_split_by_param_group_and_pad_for_sharding():
     group = {id(a): 0, id(b): 0, id(c): 1, id(d): 0}
     buckets = build_buckets([a, b, c, d], 1 << 20, lambda p: group[id(p)], pad_to=4)
     assert [[p.numel() for p in x.params] for x in buckets] == [[5, 6], [7], [1]]
-    assert [x.group for x in buckets] == [0, 1, 0]
+    assert [x.param_group for x in buckets] == [0, 1, 0]
     assert [x.size for x in buckets] == [12, 8, 4]
     assert float(buckets[0].allocate()[11]) == 0.0 and buckets[0].allocate().numel() == 12
 

@@ -202,6 +202,26 @@ def grad_hook_worker(rank, world_size):
             (w * 2).sum().backward()
 
 
+def test_backward_under_the_emulation_keeps_torchs_checks():
+    """backward() runs inside the emulation, yet refuses what torch refuses (code that the emulation
+    let through would fail on a GPU) and accepts every form torch accepts."""
+    with EmulatedAccelerator(ACCEL):
+        w = nn.Parameter(torch.ones(2, 3, device=ACCEL))
+        with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
+            (w * 2).backward()
+        with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
+            torch.autograd.backward([(w * 2).sum(), w * 3])
+        with pytest.raises(RuntimeError, match="Mismatch in shape"):
+            (w * 2).backward(torch.ones(3, device=ACCEL))
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.ones(2, device=ACCEL).sum().backward()
+        (w * 2).backward(torch.ones(2, 3, device=ACCEL), retain_graph=False)
+        torch.autograd.backward((w * 3).sum(), inputs={"w": w})
+        torch.autograd.backward([(w * 4).sum(), (w * 5).sum()], grad_tensors=[None, torch.tensor(2.0, device=ACCEL)])
+        assert torch.equal(w.grad, torch.full((2, 3), 2.0 + 3.0 + 4.0 + 10.0, device=ACCEL))
+        assert w.grad.device == ACCEL and not is_host(w.grad)
+
+
 @pytest.mark.parametrize("stray", ["device-less", ".cpu()", 'device="cpu"', "frombuffer", "backward hook"])
 def test_stray_host_tensors_fail_the_comm_check(stray):
     if stray == "backward hook":

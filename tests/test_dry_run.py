@@ -17,7 +17,7 @@ from tessera.planner import Layout, from_model_config, memory_per_rank
 from tessera.planner.estimate import stage_memory
 from tessera.topology import ParallelConfig
 from tessera.train.config import load_config, validate_config
-from tessera.train.dry_run import SHOWN_RANKS, planner_layout, rank_roles
+from tessera.train.dry_run import SHOWN_RANKS, planner_layout, predicted_memory, rank_roles
 
 
 def dry_run(tmp_path, capsys, *args) -> str:
@@ -65,13 +65,10 @@ def test_the_memory_per_rank_is_the_planners():
     par = validate_config(cfg, 64).parallel.resolved(64)
     layout, batch, _ = planner_layout(cfg, par)
     assert layout == Layout(dp=8, pp=4, tp=2, micro_batch=2, schedule="1f1b")  # 8 per dp rank in 4 micro-batches
-    from tessera.planner.command import memory_by_stage
-
     spec = from_model_config("7B", cfg.model)
-    stages = memory_by_stage(spec, layout, batch, cfg.data.seq_len, "fp32")
-    first, _ = stage_memory(spec, layout, batch, cfg.data.seq_len, "fp32", "adam", True, False)
-    last, _ = stage_memory(spec, layout, batch, cfg.data.seq_len, "fp32", "adam", False, True)
-    assert stages[0] == first and stages[-1] == last
+    stages, _ = predicted_memory(cfg, par)
+    assert stages == [stage_memory(spec, layout, batch, cfg.data.seq_len, "fp32", "adam", s)[0] for s in range(4)]
+    first = stages[0]
     assert max(s["total"] for s in stages) == memory_per_rank(spec, layout, batch, cfg.data.seq_len, "fp32")[0]["total"]
     # a middle stage holds its layers' states and fewer micro-batches in flight than the first (1F1B)
     acts = [s["activations"] for s in stages]
@@ -91,6 +88,29 @@ def test_a_dry_run_under_torchrun_prints_on_rank_0_only(tmp_path, capsys, monkey
     assert "4 rank(s): dp_replicate=4" in dry_run(tmp_path, capsys)
     monkeypatch.setenv("RANK", "3")
     assert dry_run(tmp_path, capsys) == ""
+
+
+def test_a_dry_run_under_torchrun_reads_the_checkpoint_on_rank_0_only(tmp_path, capsys, monkeypatch):
+    from tessera.train import resume
+
+    calls = []
+    monkeypatch.setattr(resume, "check_before_launch", lambda cfg: calls.append(cfg) or None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank in ("3", "0"):
+        monkeypatch.setenv("RANK", rank)
+        dry_run(tmp_path, capsys)
+    assert len(calls) == 1  # rank 3 checked everything else, but hashed no checkpoint
+
+
+def test_a_ctr_job_under_torchrun_is_refused_by_the_dry_run_and_the_run_alike(tmp_path, capsys, monkeypatch):
+    for var, value in (("TORCHELASTIC_RUN_ID", "ctr-test"), ("RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(var, value)
+    for mode in (["--dry-run"], []):
+        assert main(["train", "--model.preset=ctr", f"--run.out_dir={tmp_path / 'runs'}", *mode]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("tessera: error: the parameter-server mode (model.preset=ctr) starts its own processes: "
+                       "run it without torchrun")
+    assert not any(tmp_path.iterdir())  # refused before the run folder was made
 
 
 def test_parallel_auto_is_resolved_in_the_dry_run(tmp_path, capsys):

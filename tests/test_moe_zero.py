@@ -138,3 +138,28 @@ def test_dense_state_is_sharded_over_dp_and_expert_state_over_edp(rank_pool, wor
         # each bucket is padded to a multiple of the shard group: at most (group - 1) extra elements
         assert r["dense_total"] / world <= r["dense_master"] <= r["dense_total"] / world + r["dense_buckets"]
         assert r["expert_total"] / edp <= r["expert_master"] <= r["expert_total"] / edp + r["expert_buckets"]
+
+
+def overflow_worker(rank, world_size, ep):
+    """An overflow in one rank's expert gradient slice: does every rank skip the step?"""
+    topo = Topology.build(ParallelConfig(dp_replicate=world_size, ep=ep, zero_stage=1))
+    try:
+        torch.manual_seed(0)
+        model = Transformer(model_config("tiny", num_experts=4, moe_every=1), MoEConfig(top_k=2))
+        cfg = OptimConfig()
+        engine = parallelize(model, topo, DDPConfig(), param_groups=lambda m: param_groups(m, cfg),
+                             make_optimizer=optimizer_factory(cfg))
+        if rank == 0:
+            shard = engine.parts[1].update.shards[0]
+            shard.grad = torch.zeros_like(shard.param)
+            shard.grad[0] = float("inf")
+        return engine.clip_grad_norm(1.0)
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.multirank
+def test_an_overflow_in_one_expert_slice_makes_every_rank_skip(rank_pool):
+    """Rank 0's expert slice has copies only over edp; the finiteness flag also crosses ep, so the
+    ranks of the other ep group skip the step as well (else the replicas would diverge)."""
+    assert rank_pool.run(overflow_worker, 4, ep=2) == [(float("inf"), False)] * 4

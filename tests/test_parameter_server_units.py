@@ -70,6 +70,17 @@ def test_resume_from_a_folder_without_tables_is_a_config_error(tmp_path):
         run_ps_job(PSConfig(resume=str(tmp_path)), steps=1)
 
 
+def test_the_cli_refuses_a_resume_folder_without_tables_before_making_the_run_folder(tmp_path, capsys):
+    from tessera.cli import main
+
+    runs = tmp_path / "runs"
+    for mode in (["--dry-run"], []):  # the dry run checks it as the run does
+        assert main(["train", "--model.preset=ctr", f"--ps.resume={tmp_path}", f"--run.out_dir={runs}", *mode]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tessera: error: ") and "no complete set of tables" in err and "\n" not in err
+    assert not runs.exists()
+
+
 # ---- what a worker may ask of a server over RPC ----
 
 class _Spy:
@@ -140,10 +151,32 @@ def test_the_listening_interface_follows_the_configured_address():
     ("198.51.100.7", "is not the (first) IPv4 address of any network interface"),
     ("no-such-host.invalid", "does not resolve"),
 ])
-def test_an_address_no_interface_holds_is_refused_before_anything_starts(address, says):
-    from tessera.parameter_server.network import local_addresses
+def test_an_address_no_interface_holds_is_refused_before_anything_starts(tmp_path, capsys, address, says):
+    from tessera.cli import main
+    from tessera.parameter_server.network import listen_interface, local_addresses
 
     assert address not in local_addresses()
     with pytest.raises(ConfigError, match=re.escape(says)) as err:
-        PSConfig(address=address).validate()
+        listen_interface(address)
     assert str(err.value).startswith(f"ps.address '{address}' ") and "\n" not in str(err.value)
+    for mode in (["--dry-run"], []):  # the CLI's pre-flight: a dry run refuses it as the run does
+        assert main(["train", "--model.preset=ctr", f"--ps.address={address}", f"--run.out_dir={tmp_path}",
+                     *mode]) == 2
+        assert capsys.readouterr().err.strip() == f"tessera: error: {err.value}"
+    assert not any(tmp_path.iterdir())  # refused before any folder was made
+
+
+def test_validating_the_ps_section_looks_nothing_up(monkeypatch):
+    """Every job validates [ps] (a DDP job too): that must not depend on this machine's network."""
+    import socket
+
+    from tessera.train.config import load_config, validate_config
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a network look-up during validation")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket, "if_nameindex", no_network)
+    PSConfig(address="198.51.100.7").validate()  # no interface holds it: the job that listens refuses it
+    validate_config(load_config(None, ["--model.preset=tiny", "--data.seq_len=32"]), 1)
+    validate_config(load_config(None, ["--model.preset=ctr", "--ps.address=198.51.100.7"]), 1)

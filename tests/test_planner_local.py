@@ -10,7 +10,8 @@ from tessera.planner.calibrate import REFERENCE, elementwise_seconds_per_byte
 from tessera.planner.estimate import activation_bytes_per_step, comm_bytes
 from tessera.planner.flops import model_flops
 from tessera.planner.local import local_gpu
-from tessera.planner.memory import last_stage_inflight
+from tessera.pipeline.schedules import build_compute
+from tessera.planner.memory import last_stage_inflight, stage_inflight
 
 SMALL = from_model_config("small", model_config("small"))
 
@@ -24,6 +25,26 @@ def test_last_stage_holds_one_microbatch_except_gpipe_and_interleaved_warmup():
         assert last_stage_inflight("interleaved", p, 64, v) == pytest.approx(((v - 1) * p + 1) / v)
         assert inflight_microbatches("interleaved", p, 64, v) == pytest.approx((2 * (p - 1) + (v - 1) * p + 1) / v)
     assert last_stage_inflight("interleaved", 2, 1, 2) == 1.0  # never more than the micro-batches there are
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_every_stage_holds_the_peak_of_tessera_schedules(schedule):
+    # walk each rank's compute actions: a forward saves one chunk's activations, its backward (the W
+    # when the backward is split) frees them; the peak over the step, in whole-stage micro-batches
+    for pp in (2, 3, 4):
+        for v in (1, 2, 3) if schedule == "interleaved" else (1,):
+            for m in range(1, 9):
+                if schedule == "interleaved" and m % pp:
+                    continue  # the schedule refuses these
+                actions, _, split = build_compute(schedule, pp, m, v)
+                for stage, acts in enumerate(actions):
+                    live = peak = 0
+                    for a in acts:
+                        live += (a.kind == "F") - (a.kind == ("W" if split else "B"))
+                        peak = max(peak, live)
+                    assert stage_inflight(stage, schedule, pp, m, v) == pytest.approx(peak / v), (pp, v, m, stage)
+    with pytest.raises(ValueError):
+        stage_inflight(2, schedule, 2, 4)
 
 
 def test_pipeline_stage_memory_counts_the_logits_of_every_microbatch_in_flight():

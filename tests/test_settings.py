@@ -102,6 +102,45 @@ def test_the_parameter_server_mode_refuses_the_trainers_keys(capsys):
     assert main(["train", "--model.preset=ctr", "--ps.servers=1", "--train.steps=5", "--dry-run"]) == 0
 
 
+@pytest.mark.parametrize("precision", [{}, {"dtype": "bf16"}, {"reduce_dtype": "bf16"}])
+def test_zero_keys_are_judged_by_the_rule_parallelize_follows(precision):
+    """One process: parallelize builds a sharded engine exactly when engine_holds_optimizer says so, and
+    a [zero] key is accepted exactly then."""
+    from tessera.data_parallel import DDPConfig
+    from tessera.models import Transformer
+    from tessera.parallelize import engine_holds_optimizer, is_sharded, parallelize
+    from tessera.precision import PrecisionConfig
+    from tessera.topology import ParallelConfig, Topology
+    from tessera.train.optim import OptimConfig, optimizer_factory, param_groups
+
+    cfg = load_config(None, [*TINY, *(f"--precision.{k}={v}" for k, v in precision.items()), "--zero.bucket_mb=5"])
+    topology = Topology.build(ParallelConfig())
+    built = parallelize(Transformer(cfg.model), topology, DDPConfig(), precision=PrecisionConfig(**precision),
+                        param_groups=lambda m: param_groups(m, OptimConfig()),
+                        make_optimizer=optimizer_factory(OptimConfig()))
+    engine = engine_holds_optimizer(topology.config, PrecisionConfig(**precision))
+    assert is_sharded(built) == engine == bool(precision)
+    if engine:
+        resolve_job(cfg, 1)
+    else:
+        with pytest.raises(ConfigError, match="zero.bucket_mb=5.0 has no effect"):
+            resolve_job(cfg, 1)
+
+
+def test_parallel_auto_writes_exactly_the_keys_it_reserves():
+    from tessera.train.auto_layout import AUTO_KEYS, chosen_settings
+
+    degrees = {"dp_replicate": 1, "dp_shard": 1, "pp": 2, "tp": 2, "cp": 1, "ep": 1, "zero_stage": 0,
+               "sequence_parallel": True, "schedule": "1f1b", "micro_batch_size": 2}
+    chosen = chosen_settings(degrees)  # a full choice: every key auto may write, and no other
+    assert sorted(chosen) == sorted(AUTO_KEYS)
+    cfg = load_config(None, TINY)
+    from tessera.train.auto_layout import _write
+
+    _write(cfg, degrees)
+    assert {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in AUTO_KEYS} == chosen
+
+
 # ---- pairings judged before launch --------------------------------------------------------------
 
 

@@ -66,6 +66,36 @@ def test_a_rendezvous_port_in_use_is_a_config_error_before_any_process_starts():
             spawn(entry, 2, ("ok",), port=port)
 
 
+def test_spawn_quiets_torchs_loggers_only_while_it_runs(monkeypatch):
+    import logging
+    from contextlib import contextmanager
+
+    from tessera import spawn as spawn_module
+
+    names = ("torch.distributed.elastic", "torch.multiprocessing")
+    seen = []
+
+    @contextmanager
+    def store_that_fails(address, port):  # what a port in use does, with the levels recorded inside
+        seen.append([logging.getLogger(n).level for n in names])
+        raise ConfigError("no store")
+        yield port
+
+    monkeypatch.setattr(spawn_module, "_rendezvous_store", store_that_fails)
+    loggers = [logging.getLogger(n) for n in names]
+    before = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.INFO)  # the caller's choice
+        with pytest.raises(ConfigError, match="no store"):
+            spawn(entry, 2, ("ok",))
+        assert seen == [[logging.CRITICAL, logging.ERROR]]  # quiet while the agent would run
+        assert [logger.level for logger in loggers] == [logging.INFO, logging.INFO]  # and given back
+    finally:
+        for logger, level in zip(loggers, before):
+            logger.setLevel(level)
+
+
 def _imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):

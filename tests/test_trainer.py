@@ -110,7 +110,7 @@ def test_trainer_leaves_a_callers_process_group_alone(rank_pool, tmp_path, corpu
 def test_failed_ranks_become_one_sentence_with_the_right_exit_code():
     from types import SimpleNamespace
 
-    from tessera.launch import _failure
+    from tessera.spawn import failure as _failure
 
     user = SimpleNamespace(failures={1: SimpleNamespace(exitcode=2), 0: SimpleNamespace(exitcode=2)})
     crash = SimpleNamespace(failures={0: SimpleNamespace(exitcode=-9)})

@@ -24,7 +24,8 @@ def test_sections_and_stage_load_from_overrides():
     (["--parallel.zero_stage=4"], "parallel.zero_stage must be 0, 1, 2 or 3, got 4"),
     (["--zero.offload=true"], "zero.offload moves the sharded optimizer to the host, so it needs "
                               "parallel.zero_stage of 1, 2 or 3"),
-    (["--parallel.zero_stage=2", "--ddp.find_unused_parameters=true"], "ddp.find_unused_parameters applies to DDP"),
+    (["--parallel.zero_stage=2", "--ddp.find_unused_parameters=true"],
+     "ddp.find_unused_parameters=True has no effect in this job: it applies only when DDP reduces"),
     (["--precision.loss_scale=dynamic"], "precision.loss_scale=dynamic protects fp16 gradients"),
     (["--precision.dtype=fp8"], "precision.dtype must be one of fp32, bf16, fp16, got 'fp8'"),
     (["--precision.loss_scale=-3"], "precision.loss_scale must be"),

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tessera import __version__
-from tessera.errors import UserError
+from tessera.errors import ConfigError, UserError
 
 EPILOG = """with no --config, --nproc or layout key, the 3D-parallel demo runs: dp2 x tp2 x pp2 on 8 local
 ranks (configs/default.toml)
@@ -126,14 +126,15 @@ def resolve_job(cfg, world: int, announce: bool = True):
 
 
 def _dry_run(cfg, parallel, world: int, lead: bool) -> int:
-    """Every check of a launch, then the report; nothing is started or written."""
+    """Every check of a launch, then the report; nothing is started or written. Under torchrun every rank
+    runs this; only the lead rank reads the checkpoint (it hashes every file), as before a real launch."""
     from tessera.device import resolve_device
     from tessera.train.dry_run import describe_job
     from tessera.train.resume import check_before_launch
     from tessera.train.rundir import prepare_run_dir
 
     resolve_device(cfg.run.device)
-    resume = check_before_launch(cfg)
+    resume = check_before_launch(cfg) if lead else None
     run_dir = prepare_run_dir(cfg, parallel, create=False)
     if lead:
         print(describe_job(cfg, parallel, world, run_dir, resume))
@@ -157,19 +158,31 @@ def _launch(cfg, parallel, world: int) -> dict:
 
 
 def _train_ctr(cfg, dry_run: bool) -> int:
-    """The parameter-server job: validated like any job; its run folder goes under ``run.out_dir``."""
+    """The parameter-server job: validated like any job, then checked as only it needs (not under torchrun;
+    ``ps.address`` an address of this machine; ``ps.resume`` a folder of tables) before its run folder goes
+    under ``run.out_dir``. A dry run makes the same checks, so it refuses what the real run would."""
+    from tessera.launch import under_torchrun
+    from tessera.parameter_server.network import listen_interface
     from tessera.train.config import validate_config
     from tessera.train.dry_run import describe_ctr_job
     from tessera.train.rundir import prepare_folder
 
+    if under_torchrun():
+        raise ConfigError("the parameter-server mode (model.preset=ctr) starts its own processes: "
+                          "run it without torchrun")
     validate_config(cfg, 1)
+    interface = listen_interface(cfg.ps.address)  # the one look-up of this machine's interfaces
+    if cfg.ps.resume:
+        from tessera.parameter_server.server import latest_complete
+
+        latest_complete(cfg.ps.resume, cfg.ps.servers)
     out_dir = prepare_folder(Path(cfg.run.out_dir), create=not dry_run)
     if dry_run:
         print(describe_ctr_job(cfg, out_dir))
         return 0
     from tessera.train.ps_run import train_ctr
 
-    print(json.dumps(train_ctr(cfg), indent=2))
+    print(json.dumps(train_ctr(cfg, interface), indent=2))
     return 0
 
 
@@ -180,20 +193,23 @@ def _report(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    # train's config overrides (--section.key=value) are free-form, so argparse leaves them over; any
+    # other command takes only what its parser declares, as parse_args would insist (said as one sentence)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, rest)
+        if rest:
+            raise UserError(f"tessera {args.command} does not take {' '.join(rest)}; "
+                            f"see tessera {args.command} --help")
         if args.command == "export":
             from tessera.checkpoint import export_command
 
-            if rest:
-                raise UserError(f"tessera export does not take {' '.join(rest)}; see tessera export --help")
             return export_command(args.checkpoint, args.out)
         if args.command == "plan":
             from tessera.planner.command import cmd_plan
 
-            return cmd_plan(args, rest)
+            return cmd_plan(args)
     except UserError as err:
         print(f"tessera: error: {err}", file=sys.stderr)
         return err.exit_code
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tessera: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # a failed rank: its own traceback is already on stderr
-        from tessera.launch import RankFailed
+        from tessera.spawn import RankFailed
 
         if isinstance(err, RankFailed):
             print(f"tessera: error: {err}", file=sys.stderr)

@@ -17,14 +17,14 @@ def _reject(what: str, fix: str) -> None:
     raise ConfigError(f"{what} is not supported in this version of tessera; {fix}")
 
 
-def validate_composition(cfg, parallel=None) -> None:
+def validate_composition(cfg, parallel) -> None:
     """Reject strategy pairings this version cannot train. ``cfg`` is a JobConfig; ``parallel`` its
-    resolved ParallelConfig (default ``cfg.parallel``, which must then hold concrete degrees).
+    resolved ParallelConfig (concrete degrees: ``dp_replicate = -1`` filled in).
 
     Supported (docs/HYBRID.md): dp_replicate × dp_shard (ZeRO 0–3) × tp (+SP) × cp, pp × dp × tp (+SP)
     with ZeRO 0–1, ep × dp × tp (+SP) with DDP or ZeRO-1/2, mixed precision × dp × tp."""
-    par = parallel if parallel is not None else cfg.parallel
-    mixed = cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("", "fp32")
+    par = parallel
+    mixed = cfg.precision.below_fp32
     if par.pp > 1:
         _validate_pipeline(cfg, par, mixed)
     if par.ep > 1 and par.cp > 1:

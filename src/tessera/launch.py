@@ -1,6 +1,7 @@
 """Starting ranks: under torchrun this process is one rank; otherwise spawn local ranks through
-:func:`tessera.spawn.spawn` (torch's elastic agent, the one torchrun uses, with a c10d rendezvous on a free
-loopback port).
+:func:`tessera.spawn.spawn` (torch's elastic agent, the one torchrun uses, with a c10d rendezvous store on a
+free loopback port; the ranks' process group, once formed, has rank 0 listening beyond loopback: see
+``tessera.spawn`` for what listens where).
 
 A rank whose call to a peer cannot complete (the peer died, or hung) prints one sentence naming the
 rank, op and axis and exits with code 1; the agent then restarts every rank (up to ``run.max_restarts``
@@ -18,8 +19,7 @@ import torch.distributed as dist
 
 from tessera.device import backend_for, resolve_device, set_device
 from tessera.errors import CommError, UserError
-from tessera.spawn import RankFailed, spawn  # noqa: F401 (RankFailed: what the CLI catches from launch_local)
-from tessera.spawn import failure as _failure  # noqa: F401 (the sentence for failed ranks, tested from here)
+from tessera.spawn import spawn
 
 
 def under_torchrun() -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.composition import validate_composition  # noqa: F401  (re-exported: the rule lives there)
 from tessera.data_parallel import DDPConfig, DistributedDataParallel
 from tessera.precision import PrecisionConfig
 from tessera.recompute import RecomputeConfig, apply_checkpointing, transformer_blocks
@@ -57,7 +56,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
         from tessera.moe import apply_expert_parallel, expert_parallelize, expert_zero
 
-        if topology.config.zero_stage > 0:  # ZeRO-1/2: dense state sharded over dp, expert state over edp
+        if engine_holds_optimizer(topology.config, precision):  # ZeRO-1/2: dense state over dp, expert over edp
             apply_expert_parallel(model, topology.group("ep"))
             model = expert_zero(model, topology, param_groups, make_optimizer, topology.config.zero_stage,
                                 zero or ZeroConfig(), norm_axes(topology), sharded_axes(model, topology))
@@ -69,7 +68,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
         return model
     precision = precision or PrecisionConfig()
     stage = topology.config.zero_stage
-    if stage > 0 or precision.mixed or precision.grad_reduce_dtype != precision.param_dtype:
+    if engine_holds_optimizer(topology.config, precision):
         from tessera.models.layers import TransformerBlock
 
         if callable(param_groups):  # built from the model as it is now (tp replaced its linear layers)
@@ -84,6 +83,20 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
             reduce_op="sum",
         )
     return model
+
+
+def engine_holds_optimizer(parallel, precision: PrecisionConfig | None = None) -> bool:
+    """Whether a ZeRO / fp32-master-weight engine (:func:`is_sharded`) holds the optimizer of a job with
+    layout ``parallel`` (a resolved ParallelConfig): ZeRO at any stage; and, outside a pipeline and expert
+    parallelism, low-precision parameters or gradients reduced in a dtype other than the parameters'
+    (master weights in fp32). A pipeline stage (``tessera.train.pipeline_step``) and expert parallelism
+    keep their own fp32 optimizer unless ZeRO shards it (mixed precision is refused with both). The one
+    rule :func:`parallelize` follows and ``tessera.train.settings`` judges ``[zero]`` / ``[ddp]`` keys by."""
+    if parallel.zero_stage > 0:
+        return True
+    if parallel.pp > 1 or parallel.ep > 1:
+        return False
+    return (precision or PrecisionConfig()).below_fp32
 
 
 def apply_tp(model: nn.Module, tp, cfg=None):

@@ -8,12 +8,16 @@ from its rank), watches them, and on the first failure stops the others, or rest
 ``max_restarts`` times. It returns every process's return value by rank, or raises :class:`RankFailed`,
 one sentence naming each process that failed.
 
-The agent's rendezvous store is hosted here, bound to ``address`` (loopback by default): a store the
-agent created itself would listen on every interface. While the agent runs, the processes' own process
-groups are told to use a TCP store of their own instead of sharing the rendezvous store: with the shared
-store a restarted gloo group failed to form in about half of the trials (pytorch/pytorch#135712); with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, read by the agent, every restart was clean. See
-docs/FAULT_TOLERANCE.md.
+What listens where. The agent's rendezvous store is hosted here, bound to ``address`` only (loopback
+by default): a store the agent created itself would listen on every interface. While the agent runs, the
+processes' own process groups are told to use a TCP store of their own instead of sharing the rendezvous
+store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, read by the agent): with the shared store a restarted gloo
+group failed to form in about half of the trials (pytorch/pytorch#135712); with its own, every restart
+was clean (docs/FAULT_TOLERANCE.md). That store is torch's: a process that calls
+``init_process_group`` as rank 0 hosts it on a free port of *every* interface (torch binds its server to
+no address), and gloo's own connections bind to the address this machine's hostname resolves to. So a
+training job's process group is reachable beyond loopback while it runs; the parameter server's roles
+make no process group (their RPC listeners follow ``ps.address``, see ``tessera.parameter_server.network``).
 
 This module imports torch and tessera.errors only, so that every layer may use it.
 """
@@ -77,9 +81,8 @@ def spawn(entry: Callable, nproc: int, args: tuple = (), *, max_restarts: int = 
 
     # the agent logs each failed process's exit with a traceback of its own machinery, and torch's
     # spawner each process it stops; what matters is the process's own error, said once below
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    with _rendezvous_store(address, port) as bound_port, _own_group_store():
+    with _quiet({"torch.distributed.elastic": logging.CRITICAL, "torch.multiprocessing": logging.ERROR}), \
+            _rendezvous_store(address, port) as bound_port, _own_group_store():
         config = api.LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tessera-{uuid.uuid4().hex[:8]}",
             rdzv_backend="c10d", rdzv_endpoint=f"{_host(address)}:{bound_port}", rdzv_configs={"is_host": False},
@@ -89,6 +92,20 @@ def spawn(entry: Callable, nproc: int, args: tuple = (), *, max_restarts: int = 
             return api.elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             raise failure(err, name) from None
+
+
+@contextmanager
+def _quiet(levels: dict[str, int]):
+    """While the agent runs: each named logger at the given level; the caller's levels come back after."""
+    loggers = {logging.getLogger(n): level for n, level in levels.items()}
+    before = {logger: logger.level for logger in loggers}
+    try:
+        for logger, level in loggers.items():
+            logger.setLevel(level)
+        yield
+    finally:
+        for logger, level in before.items():
+            logger.setLevel(level)
 
 
 def _host(address: str) -> str:

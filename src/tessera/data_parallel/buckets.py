@@ -38,7 +38,7 @@ class Bucket:
     params: list[nn.Parameter]
     offsets: list[int]  # where each parameter's gradient starts in the buffer
     size: int  # elements in the buffer, padding included
-    group: int = 0  # optimizer param group of every parameter in it
+    param_group: int = 0  # index of the optimizer param group of every parameter in it
     buffer: torch.Tensor | None = None  # [size] gradients, dtype/device of the parameters; None while not held
     filled: set[int] = field(default_factory=set)  # parameter indices whose slot was written this pass
     empty: set[int] = field(default_factory=set)  # ... of those, the ones that had no gradient (zeros)
@@ -82,7 +82,7 @@ def build_buckets(params: list[nn.Parameter], cap_bytes: int, group_of: Callable
     buckets = []
     for index, (key, members) in enumerate(runs):
         offsets, total = offsets_of(members)
-        buckets.append(Bucket(index, members, offsets, padded_size(total, pad_to), group=key[0]))
+        buckets.append(Bucket(index, members, offsets, padded_size(total, pad_to), param_group=key[0]))
     return buckets
 
 

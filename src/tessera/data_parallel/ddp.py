@@ -47,8 +47,6 @@ class DistributedDataParallel(nn.Module):
         reduction = AllReduce(group, reduce_op)
         self.module = module
         self.group = group
-        self.reduce_op = reduce_op
-        self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         params = [p for p in (module.parameters() if parameters is None else parameters) if p.requires_grad]
         # a group of one reduces nothing: no buckets, so no flat buffer beside the gradients, no hooks

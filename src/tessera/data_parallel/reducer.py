@@ -36,16 +36,18 @@ class Reduction:
     """What one full bucket's reduction is. Subclasses implement :meth:`launch` and :meth:`complete`.
 
     ``keeps_views``: after a pass ``p.grad`` is the parameter's slot in its bucket (else None: ZeRO-2,
-    whose full gradients are gone once reduced). ``releases``: drop a bucket's buffer once its reduction
-    is complete (the next pass makes a new one). ``eager``: complete bucket k-1 as soon as bucket k is
-    launched (k-1 had k's backward to overlap with), so only about two buffers are alive at a time.
-    ``defers``: ``no_sync()`` may put the reduction off to a later pass (False: every backward reduces).
+    whose full gradients are gone once reduced). Only then can ``no_sync()`` put the reduction off to a
+    later pass (the gradients accumulate in the slots); otherwise every backward reduces.
+    ``releases``: drop a bucket's buffer once its reduction is complete (the next pass makes a new one).
+    ``eager``: complete bucket k-1 as soon as bucket k is launched (k-1 had k's backward to overlap
+    with), so a bucket's full buffer lives from its first gradient to the next launch; how many are
+    alive at once depends on how far apart backward fills them (a bucket of parameters spread over the
+    whole model, such as the norm weights' param group, lives through most of backward).
     """
 
     keeps_views: bool = True
     releases: bool = False
     eager: bool = False
-    defers: bool = True
 
     def begin(self) -> None:
         """A pass starts (its first gradient arrived, or a manual reduction was asked for)."""
@@ -105,7 +107,7 @@ class GradReducer:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the first reduction after the block takes the total."""
-        if not self.reduction.defers:
+        if not self.reduction.keeps_views:
             yield
             return
         previous, self._sync = self._sync, False
@@ -125,8 +127,8 @@ class GradReducer:
         if not self._sync:
             return
         if not self._queued:
+            self._begin()  # may refuse the pass (ZeRO-1 reduces once per step): nothing is queued then
             self._queued = True
-            self._begin()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket, i = self._slot[id(p)]
         if i in bucket.filled:

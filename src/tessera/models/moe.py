@@ -245,7 +245,11 @@ class MoEFeedForward(nn.Module):
 
 @dataclass
 class MoEStats:
-    """Per-layer routing counters accumulated over forwards until read (float64 so sums stay exact)."""
+    """Per-layer routing counters accumulated over forwards until read (float64 so sums stay exact).
+
+    They live on the device the routing ran on and are added to there, so a forward never waits for the
+    device (no ``.item()`` / ``.cpu()``); the host reads them once per step, after the metrics all-reduce.
+    """
 
     values: torch.Tensor  # [2E + 5]: kept per expert, routed per expert, dropped, assignments, tokens, aux·T, z·T
 
@@ -253,11 +257,21 @@ class MoEStats:
     def zeros(cls, n_exp: int) -> MoEStats:
         return cls(torch.zeros(2 * n_exp + 5, dtype=torch.float64))
 
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The counters, moved to ``device`` first if they are elsewhere (once: the first forward there)."""
+        if self.values.device != device:
+            self.values = self.values.to(device)
+        return self.values
+
     def add(self, routing: Routing, tokens: int) -> None:
-        row = torch.cat([routing.kept_E.double().cpu(), routing.routed_E.double().cpu(), torch.tensor(
-            [routing.dropped, routing.expert_TK.numel(), tokens, float(routing.aux_loss.detach()) * tokens,
-             float(routing.z_loss.detach()) * tokens], dtype=torch.float64)])
-        self.values += row
+        values, n_exp = self.on(routing.kept_E.device), routing.kept_E.numel()
+        values[:n_exp].add_(routing.kept_E)
+        values[n_exp : 2 * n_exp].add_(routing.routed_E)
+        values[2 * n_exp].add_((~routing.keep_TK).sum())
+        values[2 * n_exp + 1].add_(routing.expert_TK.numel())  # Python ints: kernel arguments, no copy
+        values[2 * n_exp + 2].add_(tokens)
+        values[2 * n_exp + 3].add_(routing.aux_loss.detach().double() * tokens)
+        values[2 * n_exp + 4].add_(routing.z_loss.detach().double() * tokens)
 
     def reset(self) -> None:
         self.values.zero_()
@@ -298,11 +312,16 @@ def format_stats(values_LX: torch.Tensor, n_exp: int) -> dict:
 
 
 def collect_local_stats(model: nn.Module) -> torch.Tensor | None:
-    """Counters of every MoE layer stacked [layers, 2E + 5], then reset; None for a dense model."""
+    """Counters of every MoE layer stacked [layers, 2E + 5], then reset; None for a dense model.
+
+    The result lives on the device the layers' training forwards ran on (the router's device), so it can
+    go to a collective of that device's group as it is.
+    """
     layers = moe_layers(model)
     if not layers:
         return None
-    out = torch.stack([layer.stats.values.clone() for layer in layers])
+    device = layers[0].stats.values.device
+    out = torch.stack([layer.stats.on(device) for layer in layers])
     for layer in layers:
         layer.stats.reset()
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from tessera import comm
@@ -23,6 +22,5 @@ def moe_metrics(model: nn.Module, dp: CommGroup) -> dict:
     values = collect_local_stats(model)
     if values is None:
         return {}
-    values = values.to(dp.device)  # the counters are gathered on the host; the group may be NCCL
     comm.all_reduce(values, dp)  # float64 counters: exact sums
     return format_stats(values, layers[0].num_experts)

@@ -51,25 +51,25 @@ class ExpertZeroDataParallel(nn.Module):
             return [{**g, "params": [p for p in g["params"] if keep(id(p) in experts)]} for g in param_groups]
 
         common = dict(bucket_mb=bucket_mb, offload_device=offload_device, param_axes=param_axes)
+        # each engine's norm axes beyond its shard group, which its finiteness flag also crosses so that it
+        # reaches every rank of the job: the dense slices are sharded over dp (which holds ep), the expert
+        # slices over edp and, being different experts, ep; both over every further axis (tp)
+        others = {k: v for k, v in (norm_axes or {}).items() if k != "ep"}
         # a plain tuple, so the wrapped module is not registered three times
-        self.parts = (ZeroDataParallel(module, subset(lambda e: not e), make_optimizer, dp, single, stage, **common),
-                      ZeroDataParallel(module, subset(lambda e: e), make_optimizer, edp, single, stage, **common))
-        dense, expert = self.parts
-        # the finiteness flag reaches every rank of the job: the dense one spans dp, the expert one edp × ep,
-        # and both every further norm axis (tp)
-        expert.update.check_groups.append(ep)
-        for e in self.parts:
-            e.update.check_groups += [g for name, g in (norm_axes or {}).items() if name != "ep"]
+        self.parts = (ZeroDataParallel(module, subset(lambda e: not e), make_optimizer, dp, single, stage,
+                                       norm_axes=others, **common),
+                      ZeroDataParallel(module, subset(lambda e: e), make_optimizer, edp, single, stage,
+                                       norm_axes={"ep": ep, **others}, **common))
         # ONE optimizer: group g = the dense and expert masters of the model's group g
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [s.master for e in self.parts for s in e.update.shards if s.group == i]}
+                   "params": [s.master for e in self.parts for s in e.update.shards if s.param_group == i]}
                   for i, g in enumerate(param_groups)]
         self.optimizer = make_optimizer([g for g in groups if g["params"]])
         for e in self.parts:
             e.optimizer = e.update.optimizer = self.optimizer
         self.update = SimpleNamespace(shards=[s for e in self.parts for s in e.update.shards])
-        self.norm_axes = {"ep": ep, "edp": edp, **{k: v for k, v in (norm_axes or {}).items() if k != "ep"}}
-        self.device = dense.update.device
+        self.norm_axes = {"ep": ep, "edp": edp, **others}
+        self.device = self.parts[0].update.device
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

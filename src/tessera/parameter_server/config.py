@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from tessera.errors import ConfigError
 from tessera.models.ctr import CTRConfig
-from tessera.parameter_server.network import listen_interface
 
 MODES = ("bsp", "asp", "ssp")
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -45,7 +44,8 @@ class PSConfig:
         if self.lr <= 0 or self.timeout <= 0:
             raise ConfigError(f"ps.lr and ps.timeout must be positive, got {self.lr} and {self.timeout}")
         self.ctr().validate()
-        listen_interface(self.address)  # an address none of this machine's interfaces holds is refused here
+        # no network look-up here (every job validates [ps]): the address is checked against this
+        # machine's interfaces by the job that listens on it (parameter_server.network.listen_interface)
         return self
 
     def ctr(self) -> CTRConfig:

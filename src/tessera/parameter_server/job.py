@@ -88,20 +88,21 @@ def _pack(obj) -> bytes:
 
 def run_ps_job(cfg: PSConfig, steps: int, seed: int = 0, out_dir: str = "", want_params: bool = False,
                kill_server_at: tuple[int, int] | None = None, slow_last_worker: float = 0.0,
-               progress=None) -> dict:
+               progress=None, interface: tuple[str, str] | None = None) -> dict:
     """Train the CTR model for ``steps`` steps; return worker 0's summary plus every worker's bytes.
 
     ``out_dir`` (optional) receives ``metrics.jsonl``, ``summary.json`` and the servers' tables under
     ``tables/`` (every ``ps.save_every`` steps and at the end). Test hooks: ``kill_server_at=(s, t)``
     SIGKILLs server s once worker 0 reported step t; ``slow_last_worker`` sleeps that many seconds per
-    step on the last worker. ``progress(step)`` is called as worker 0 finishes each step.
+    step on the last worker. ``progress(step)`` is called as worker 0 finishes each step. ``interface``:
+    ``network.listen_interface(cfg.address)`` when the caller looked it up already (its pre-flight).
     """
     cfg.validate()
     if cfg.resume:
         from tessera.parameter_server.server import latest_complete
 
         latest_complete(cfg.resume, cfg.servers)  # a bad folder is a ConfigError before anything starts
-    ifname, address = listen_interface(cfg.address)  # likewise an address of no interface here
+    ifname, address = interface or listen_interface(cfg.address)  # likewise an address of no interface here
     ckpt_dir = str(Path(out_dir) / "tables") if out_dir else ""
     relay = _Relay(cfg, message_queue(), kill_server_at, progress)
     with tempfile.TemporaryDirectory(prefix="tessera-ps-") as tmp:

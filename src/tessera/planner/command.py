@@ -68,13 +68,11 @@ def _calibration(args) -> dict | None:
     return result
 
 
-def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     """Print the ranked layouts (or JSON); ConfigError/NoLayoutFits propagate to the CLI's one-sentence handler."""
     from tessera.planner.explain import as_json, explain
     from tessera.planner.search import search
 
-    if rest:
-        raise ConfigError(f"tessera plan does not take {' '.join(rest)}; see tessera plan --help")
     if args.gpus is None:
         args.gpus = 2 if (args.calibrate or args.calibration) else 8
     if args.model is None:
@@ -102,44 +100,3 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     print(head + "\n" + explain(plan, args.gpus))
     return 0
 
-
-# ---- memory of every pipeline stage (tessera train --dry-run) -------------------------------------
-
-
-def stage_inflight(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak: the rule of
-    ``memory.inflight_microbatches`` (stage 0) and ``memory.last_stage_inflight`` (stage pp−1) for any
-    stage: GPipe m; 1F1B and ZB-H1 min(pp − s, m); interleaved Megatron-LM's warm-up of rank s,
-    (2(pp − s − 1) + (v − 1)·pp + 1) chunk-micro-batches, / v."""
-    if pp == 1 or schedule == "none":
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule in ("1f1b", "zb-h1"):
-        return float(min(pp - stage, microbatches))
-    if schedule == "interleaved":
-        v = virtual_stages
-        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, microbatches * v) / v
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
-
-
-def memory_by_stage(spec, layout, global_batch: int, seq: int, precision: str = "mixed",
-                    optimizer: str = "adam") -> list[dict]:
-    """Predicted device bytes of one rank of each pipeline stage (list index = stage), by kind (params,
-    grads, optimizer, activations, buffers, total). Ranks of one stage hold equal shares (tp, ep and
-    ZeRO split evenly), so this is the memory of every rank. The first and last stage are the planner's
-    ``stage_memory``; a middle stage holds its layers' states and :func:`stage_inflight` micro-batches."""
-    from tessera.planner.estimate import ELEM_BYTES, _layer_activations, stage_memory
-
-    out = []
-    for s in range(layout.pp):
-        first, last = s == 0, s == layout.pp - 1
-        mem, _ = stage_memory(spec, layout, global_batch, seq, precision, optimizer, first, last)
-        if not (first or last):
-            inflight = stage_inflight(layout.schedule, layout.pp, layout.microbatches(global_batch),
-                                      layout.virtual_stages, s)
-            per_layer = _layer_activations(spec, layout, seq // layout.cp, ELEM_BYTES[precision])
-            mem["activations"] = per_layer * spec.layers / layout.pp * inflight
-            mem["total"] = sum(v for k, v in mem.items() if k != "total")
-        out.append(mem)
-    return out

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
 from tessera.planner.flops import bubble_fraction, model_flops, recompute_flops
-from tessera.planner.memory import (activation_bytes_per_layer, embedding_bytes, inflight_microbatches,
-                                    last_stage_inflight, llama_activation_bytes_per_layer, logits_bytes,
-                                    model_state_bytes)
+from tessera.planner.memory import (activation_bytes_per_layer, embedding_bytes, llama_activation_bytes_per_layer,
+                                    logits_bytes, model_state_bytes, stage_inflight)
 
 ELEM_BYTES = {"mixed": 2, "fp32": 4}
 BUCKET_BYTES = 25 * 2**20  # data-parallel gradient buckets (DDP, ZeRO-1/2) of tessera and PyTorch
@@ -67,8 +66,11 @@ def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
 
 
 def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, optimizer: str,
-                 first: bool, last: bool) -> tuple[dict, float]:
-    """(device bytes by kind, host bytes) for one rank of the first and/or last pipeline stage."""
+                 stage: int) -> tuple[dict, float]:
+    """(device bytes by kind, host bytes) for one rank of pipeline stage ``stage`` (0 … pp−1). Ranks of
+    one stage hold equal shares (tp, ep and ZeRO split evenly), so this is every rank of the stage. The
+    first stage also holds the embedding, the last the output layer and the logits."""
+    first, last = stage == 0, stage == layout.pp - 1
     elem = ELEM_BYTES[precision]
     shard = layout.dp * layout.cp  # cp ranks hold the same weights, so ZeRO shards over dp × cp
     dense, expert = _stage_params(spec, layout, first, last)
@@ -83,18 +85,16 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
         # master copy among the optimizer states) an fp32 copy of the parameter shard to update
         master = 4 * (dense + expert) / shard if precision == "fp32" else 0.0
         host, states["optimizer"] = states["optimizer"] + master, 0.0
-    m = layout.microbatches(global_batch)
     seq_local = seq // layout.cp
-    inflight = (inflight_microbatches if first else last_stage_inflight)(layout.schedule, layout.pp, m,
-                                                                         layout.virtual_stages)
+    inflight = stage_inflight(stage, layout.schedule, layout.pp, layout.microbatches(global_batch),
+                              layout.virtual_stages)
     acts = _layer_activations(spec, layout, seq_local, elem) * spec.layers / layout.pp * inflight
     if first:
         acts += inflight * embedding_bytes(seq_local, layout.micro_batch, spec.hidden, tp=layout.tp,
                                            sequence_parallel=layout.sp, dropout=spec.arch == "gpt")
     if last:  # the loss's saved logits, for every micro-batch whose backward has not run
-        last_inflight = last_stage_inflight(layout.schedule, layout.pp, m, layout.virtual_stages)
-        acts += min(last_inflight, inflight) * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab,
-                                                            tp=layout.tp, elem_bytes=elem)
+        acts += inflight * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
+                                        elem_bytes=elem)
     buffers = 0.0
     if layout.zero_stage == 3 and shard > 1:  # this layer's and the prefetched next layer's gathered weights
         buffers += 2 * spec.dense_layer_params() / layout.tp * elem
@@ -109,11 +109,9 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
 def memory_per_rank(spec, layout, global_batch: int, seq: int, precision: str = "mixed",
                     optimizer: str = "adam") -> tuple[dict, float]:
     """Device bytes of the busiest stage's rank, and its host bytes."""
-    if layout.pp == 1:
-        return stage_memory(spec, layout, global_batch, seq, precision, optimizer, True, True)
-    first = stage_memory(spec, layout, global_batch, seq, precision, optimizer, True, False)
-    last = stage_memory(spec, layout, global_batch, seq, precision, optimizer, False, True)
-    return max(first, last, key=lambda pair: pair[0]["total"])
+    stages = {0, layout.pp - 1}  # a middle stage holds no more: fewer micro-batches, no embedding or head
+    return max((stage_memory(spec, layout, global_batch, seq, precision, optimizer, s) for s in sorted(stages)),
+               key=lambda pair: pair[0]["total"])
 
 
 def activation_bytes_per_step(spec, layout, global_batch: int, seq: int, precision: str = "mixed") -> float:

@@ -93,37 +93,43 @@ def llama_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
     return float(tokens * (replicated / (t if sequence_parallel else 1) + split / t))
 
 
-def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak, in units of one
-    micro-batch through that stage's layers: GPipe all m; 1F1B and ZB-H1 min(p, m); interleaved 1F1B
-    p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3)."""
+def stage_inflight(stage: int, schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations pipeline stage ``stage`` (0 … pp−1) holds at its peak, in units of
+    one micro-batch through that stage's layers, for m micro-batches:
+
+    - GPipe: all m (every forward runs before any backward);
+    - 1F1B and ZB-H1: min(p − s, m) (stage s runs p − s − 1 warm-up forwards, then one more before its
+      first backward);
+    - interleaved 1F1B (v chunks per stage): Megatron-LM's warm-up of rank s, 2(p − s − 1) + (v − 1)·p
+      chunk forwards, plus the one before the first backward, capped at the m·v chunk forwards there
+      are, / v. Uncapped, stage 0 holds p + (p − 1)/v = p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022
+      §4.2.3) and the last stage ((v − 1)·p + 1)/v; with m = p the cap leaves stage 0 all m.
+
+    These are the peaks of ``tessera.pipeline.schedules``' action lists (tests/test_planner_local.py).
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage must be in [0, {pp}), got {stage}")
     if pp == 1 or schedule == "none":
         return 1.0
     if schedule == "gpipe":
         return float(microbatches)
     if schedule in ("1f1b", "zb-h1"):
-        return float(min(pp, microbatches))
+        return float(min(pp - stage, microbatches))
     if schedule == "interleaved":
-        return min(pp, microbatches) * (1.0 + (pp - 1) / (pp * virtual_stages))
+        v = virtual_stages
+        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, microbatches * v) / v
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """:func:`stage_inflight` of the first stage, the one holding the most micro-batches."""
+    return stage_inflight(0, schedule, pp, microbatches, virtual_stages)
 
 
 def last_stage_inflight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations the last pipeline stage holds at its peak, in units of one
-    micro-batch through that stage's layers: GPipe all m; 1F1B and ZB-H1 one (each forward is followed
-    by its backward); interleaved 1F1B ((v−1)·p + 1)/v, since the last rank runs (v−1)·p warm-up
-    forwards of its earlier chunks before its first backward (Megatron-LM's warm-up count, whose first
-    rank gives the p + (p−1)/v of ``inflight_microbatches``)."""
-    if pp == 1 or schedule == "none":
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule in ("1f1b", "zb-h1"):
-        return 1.0
-    if schedule == "interleaved":
-        chunks = min((virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
-        return chunks / virtual_stages
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    """:func:`stage_inflight` of the last stage (1 for 1F1B and ZB-H1: each forward is followed by its
+    backward)."""
+    return stage_inflight(pp - 1, schedule, pp, microbatches, virtual_stages)
 
 
 def logits_bytes(seq: int, micro_batch: int, hidden: int, vocab: int, *, tp: int = 1, elem_bytes: int = 2) -> float:

@@ -51,3 +51,9 @@ class PrecisionConfig:
     def mixed(self) -> bool:
         """Low-precision parameters with separate fp32 master weights."""
         return self.dtype != "fp32"
+
+    @property
+    def below_fp32(self) -> bool:
+        """Anything computed or reduced below fp32: low-precision parameters, or fp32 parameters whose
+        gradients are reduced in a lower dtype. Either needs fp32 master weights beside the parameters."""
+        return self.mixed or self.grad_reduce_dtype != torch.float32

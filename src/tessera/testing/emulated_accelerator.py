@@ -16,7 +16,8 @@ rejects it. On a CPU-only machine the host and the "device" are the same, so not
   scalar mixes with device tensors on a GPU as well); in-place ops keep their target's kind, indexing
   its source's; ``nn.Parameter`` and ``.data =`` carry the kind of the tensor they wrap.
 * ``backward()`` runs the autograd engine with the emulation still on, so gradient hooks and custom
-  ``Function.backward`` methods (where most collectives of a step are issued) see it too. Python called
+  ``Function.backward`` methods (where most collectives of a step are issued) see it too; it keeps torch's
+  checks (an implicit gradient only for a scalar output, a given gradient of the output's shape). Python called
   from inside a single op (saved-tensor hooks) runs without it, as any torch-function mode; activation
   checkpointing's forward/recompute metadata check therefore compares real devices.
 
@@ -34,7 +35,8 @@ import inspect
 
 import torch
 import torch.utils.checkpoint
-from torch.autograd import Variable
+from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -173,23 +175,35 @@ class EmulatedAccelerator(TorchFunctionMode):
         return t
 
     def _backward(self, func, args, kwargs) -> None:
-        """``backward()`` through the engine with this emulation on, so hooks see it."""
+        """``backward()`` as ``torch.autograd.backward`` runs it once past its torch-function dispatch:
+        torch's own argument handling and gradient checks (``_make_grads``: an implicit gradient only for a
+        scalar floating output, a given one of the output's shape and kind), then torch's engine call, with
+        this emulation on so that hooks and custom ``Function.backward`` methods see it."""
         bound = inspect.signature(func).bind(*args, **kwargs).arguments
-        if func is torch.Tensor.backward:
-            tensors, grads = (bound["self"],), (bound.get("gradient"),)
-        else:
-            tensors, grads = bound["tensors"], bound.get("grad_tensors")
-            tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-            grads = (grads,) * len(tensors) if grads is None or isinstance(grads, torch.Tensor) else tuple(grads)
-        inputs = bound.get("inputs")
-        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        if func is torch.Tensor.backward:  # what Tensor.backward hands to torch.autograd.backward
+            bound["tensors"], bound["grad_tensors"] = bound.pop("self"), bound.pop("gradient", None)
+        tensors, inputs = (_as_tuple(bound.get(name)) for name in ("tensors", "inputs"))
+        if bound.get("inputs") is not None and not inputs:
+            raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+        grads = bound.get("grad_tensors")
+        grads = bound.get("grad_variables") if grads is None else grads  # the deprecated name
         create = bool(bound.get("create_graph", False))
         retain = bound.get("retain_graph")
         with self:
-            grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
-            Variable._execution_engine.run_backward(
-                tensors, grads, create if retain is None else retain, create, inputs,
-                allow_unreachable=True, accumulate_grad=True)
+            grads = _tensor_or_tensors_to_tuple(grads, len(tensors))
+            grads = _make_grads(tensors, grads, is_grads_batched=False)
+            _engine_run_backward(tensors, grads, create if retain is None else retain, create, inputs,
+                                 allow_unreachable=True, accumulate_grad=True)
+
+
+def _as_tuple(x) -> tuple:
+    """``tensors`` / ``inputs`` of ``backward()`` as torch reads them: one tensor or gradient edge, a
+    dict (its values) or a sequence; None is empty."""
+    if x is None:
+        return ()
+    if isinstance(x, (torch.Tensor, GradientEdge)):
+        return (x,)
+    return tuple(x.values() if isinstance(x, dict) else x)
 
 
 def _real_metadata(x: torch.Tensor) -> dict:

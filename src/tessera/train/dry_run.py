@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessera.planner import Layout, from_model_config
-from tessera.planner.command import memory_by_stage
+from tessera.planner.estimate import stage_memory
 from tessera.topology import GRID_AXES, ParallelConfig, Topology
 
 SHOWN_RANKS = 64  # larger worlds print the first and last half of this many ranks
@@ -45,12 +45,15 @@ def planner_layout(cfg, par: ParallelConfig) -> tuple[Layout, int, list[str]]:
     return layout, batch, notes
 
 
-def stage_memory(cfg, par: ParallelConfig) -> tuple[list[dict], list[str]]:
-    """Predicted bytes of one rank of each pipeline stage, by kind, and the planner's notes."""
+def predicted_memory(cfg, par: ParallelConfig) -> tuple[list[dict], list[str]]:
+    """Predicted bytes of one rank of each pipeline stage (list index = stage), by kind, and the planner's
+    notes."""
     layout, batch, notes = planner_layout(cfg, par)
     spec = from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k)
     precision = "fp32" if cfg.precision.dtype == "fp32" else "mixed"
-    return memory_by_stage(spec, layout, batch, cfg.data.seq_len, precision, "adam"), notes
+    memory = [stage_memory(spec, layout, batch, cfg.data.seq_len, precision, "adam", stage)[0]
+              for stage in range(layout.pp)]
+    return memory, notes
 
 
 def rank_roles(par: ParallelConfig) -> tuple[tuple[str, ...], list[tuple[int, ...]]]:
@@ -107,7 +110,7 @@ def describe_job(cfg, par: ParallelConfig, world: int, run_dir: Path, resume: Pa
     degrees = " ".join(f"{a}={getattr(par, a)}" for a in (*GRID_AXES, "ep") if getattr(par, a) > 1) or "one process"
     pipeline = (f", pipeline {cfg.pipeline.schedule} with {cfg.pipeline.microbatches} micro-batches"
                 if par.pp > 1 else "")
-    memory, notes = stage_memory(cfg, par)
+    memory, notes = predicted_memory(cfg, par)
     lines = [
         "tessera train --dry-run: every check passed; nothing was started and nothing written",
         f"model:      {cfg.model_preset}, {_count(m.num_params(moe=cfg.moe))} parameters "

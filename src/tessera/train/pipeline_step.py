@@ -73,10 +73,6 @@ class PipelineStep:
                               f"{topology.world_size} ranks.")
         sp = bool(tensor_parallel is not None and tensor_parallel.sequence_parallel and self.tp.size > 1)
         self._loss_parts = loss_function(topology)  # vocabulary-parallel under tp
-        tied = bool(getattr(model.cfg, "tie_embeddings", False))
-        if tied and cfg.schedule == "pipedream" and self.pp.size > 1:
-            raise ConfigError("pipeline.schedule 'pipedream' cannot keep tied embeddings equal (the first and "
-                              "last stage update at different times); set tie_embeddings = false.")
         self.steps_inside = cfg.schedule == "pipedream"  # the schedule itself calls optimizer.step()
         self.timeline = Timeline(self.pp.rank, enabled=cfg.timeline)
         self._divisor = 1.0  # loss_fn divides each micro-batch's summed loss by this (the global tokens)
@@ -188,7 +184,9 @@ class PipelineStep:
     def unscale_gradients(self, inv_scale: float) -> bool:
         """Divide this stage's reduced gradients by the loss scale (``inv_scale`` = 1/S) and return whether
         every rank's are finite (one flag all-reduced over the world group). With ``steps_inside`` the
-        in-schedule updates did that already: whether none of them was skipped (no communication)."""
+        in-schedule updates did that already: whether none of them was skipped (no communication). A step
+        with some updates skipped and the others applied is then reported as skipped (``skipped_at`` in
+        metrics.jsonl, and the scale is lowered once), although those other updates did happen."""
         if self.steps_inside:
             return self.skipped_inside == 0
         return self._unscale(inv_scale)

@@ -1,29 +1,26 @@
 """What ``tessera train --model.preset=ctr --ps.*`` runs: a parameter-server job in a fresh run folder.
 
-The job starts its own server and worker processes (it is not a set of collective ranks), so it is
-refused under torchrun. The run folder gets ``config.toml``, ``metrics.jsonl`` (worker 0's loss per
-step), ``summary.json`` (AUC, its ceiling, staleness histograms, bytes, examples/s) and ``tables/``.
+The job starts its own server and worker processes (it is not a set of collective ranks): the CLI
+refuses it under torchrun, and checks where it will listen, before this runs. The run folder gets
+``config.toml``, ``metrics.jsonl`` (worker 0's loss per step), ``summary.json`` (AUC, its ceiling,
+staleness histograms, bytes, examples/s) and ``tables/``.
 It lives in the training layer, beside the run folders and configs it uses; the parameter server
 itself (``tessera.parameter_server``) knows neither.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from tessera.errors import ConfigError
 from tessera.parameter_server.job import run_ps_job
 from tessera.train.config import save_config
 from tessera.train.rundir import first_free
 
 
-def train_ctr(cfg) -> dict:
-    """``cfg`` is the job config (tessera.train.config.JobConfig): uses ``ps``, ``train.steps`` and ``run``."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        raise ConfigError("the parameter-server mode (model.preset=ctr) starts its own processes: "
-                          "run it without torchrun")
-    ps = cfg.ps.validate()
+def train_ctr(cfg, interface: tuple[str, str] | None = None) -> dict:
+    """``cfg`` is the validated job config (tessera.train.config.JobConfig): uses ``ps``, ``train.steps``
+    and ``run``. ``interface``: where the RPC listens, as the CLI's pre-flight found it (see ``run_ps_job``)."""
+    ps = cfg.ps
     name = cfg.run.name or f"ctr-ps{ps.servers}-w{ps.workers}-{ps.mode}"
     run_dir = first_free(Path(cfg.run.out_dir) / name)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +32,8 @@ def train_ctr(cfg) -> dict:
             last[0] = step
             print(f"step {step + 1}/{cfg.train.steps}", flush=True)
 
-    summary = run_ps_job(ps, cfg.train.steps, seed=cfg.run.seed, out_dir=str(run_dir), progress=progress)
+    summary = run_ps_job(ps, cfg.train.steps, seed=cfg.run.seed, out_dir=str(run_dir), progress=progress,
+                         interface=interface)
     return {"run_dir": str(run_dir), "mode": ps.mode, "servers": ps.servers, "workers": ps.workers,
             "steps": cfg.train.steps, "auc": round(summary["auc"], 4),
             "ceiling_auc": round(summary["ceiling_auc"], 4), "max_gap": summary["max_gap"],

@@ -25,15 +25,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tessera.errors import ConfigError
+from tessera.parallelize import engine_holds_optimizer
+from tessera.train.auto_layout import AUTO_KEYS
 
 # string keys whose text may be a number (checked for finiteness like the float keys)
 NUMBER_TEXT = ("precision.loss_scale",)
 # what the parameter-server mode (model.preset = "ctr") reads besides [ps]; every other key is unused
 CTR_READS = ("run.name", "run.out_dir", "run.seed", "run.progress", "train.steps", "train.log_every")
-# what parallel.auto writes over (tessera.train.auto_layout)
-AUTO_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.pp", "parallel.tp", "parallel.cp",
-             "parallel.ep", "parallel.zero_stage", "tensor_parallel.sequence_parallel", "pipeline.schedule",
-             "data.micro_batch_size")
 ZERO3_KEYS = ("zero.reshard_after_forward", "zero.prefetch", "zero.wrap_policy")
 
 
@@ -89,10 +87,8 @@ def _all_but(*names: str) -> Callable[[str], bool]:
 
 
 def _engine(cfg, par) -> bool:
-    """A ZeRO / fp32-master engine holds the optimizer (tessera.parallelize, train/pipeline_step)."""
-    p = cfg.precision
-    low = p.dtype != "fp32" or (p.reduce_dtype or p.dtype) != p.dtype
-    return par.zero_stage > 0 or (par.pp == 1 and par.ep == 1 and low)
+    """A ZeRO / fp32-master engine holds the optimizer (the rule of tessera.parallelize)."""
+    return engine_holds_optimizer(par, cfg.precision)
 
 
 def _ddp(cfg, par) -> bool:

@@ -197,8 +197,9 @@ class Trainer:
             if not self.pipe.steps_inside:  # PipeDream updates inside the pipeline, after each backward
                 self.pipe.step()  # the optimizer, or ZeRO-1's sharded update + all-gather over dp
         else:
+            # device given: a rank with no gradient still joins the norm's all-reduces
             grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
-                                       axes_of=sharded_axes(self.core, self.topology))
+                                       axes_of=sharded_axes(self.core, self.topology), device=self.device)
             self.optimizer.step()
         self.scheduler.step()
         if track:

@@ -52,18 +52,19 @@ def accumulate(shard: Shard, out: torch.Tensor) -> None:
 
 
 class ZeroReduction(Reduction):
-    """ZeRO-1/2 bucket reduction: ``shards[k]`` is this rank's Shard of bucket k.
+    """ZeRO-1/2 bucket reduction: ``shard_of[bucket]`` is this rank's Shard of that gradient bucket (keyed
+    by the bucket itself: the reducer launches buckets in arrival order, not in build order).
 
     ZeRO-1 keeps the full gradient buffers (the reduced slice is written into this rank's part of the
     buffer and ``shard.grad`` is a view of it) and reduces once per optimizer step: ``no_sync``
     accumulates micro-batches locally, and a second synchronised pass before ``zero_grad`` is an error.
     ZeRO-2 reduces every backward into a persistent slice and frees each bucket's full gradient once
-    its reduce-scatter is complete (eagerly, when the next bucket launches: about two buckets of full
-    gradients exist at a time)."""
+    its reduce-scatter is complete (eagerly, when the next bucket launches; see ``Reduction.eager`` for how
+    many are alive at once: at most 3 in tests/test_zero_accounting.py)."""
 
-    def __init__(self, stage: int, slices: SliceReduction, shards: list[Shard]):
-        self.stage, self.slices, self.shards = stage, slices, shards
-        self.keeps_views = self.defers = stage == 1
+    def __init__(self, stage: int, slices: SliceReduction, shard_of: dict[Bucket, Shard]):
+        self.stage, self.slices, self.shard_of = stage, slices, shard_of
+        self.keeps_views = stage == 1
         self.releases = self.eager = stage == 2
         self.reduced = False  # ZeRO-1: this step's gradients were reduced already
 
@@ -77,7 +78,7 @@ class ZeroReduction(Reduction):
 
     def complete(self, bucket: Bucket, pending: object) -> None:
         out = self.slices.finish(pending)
-        shard = self.shards[bucket.index]
+        shard = self.shard_of[bucket]
         if self.stage == 1:  # the reduced slice lives inside the full buffer: no extra copy held
             mine = rank_slice(bucket.buffer, self.slices.shard.rank, self.slices.shard.size)
             mine.copy_(out)

@@ -24,7 +24,7 @@ from tessera.precision.unscale import agree_finite, nonfinite
 
 @dataclass(eq=False)
 class Shard:
-    group: int  # index of the optimizer param group (e.g. with / without weight decay)
+    param_group: int  # index of the optimizer param group (e.g. with / without weight decay)
     param: torch.Tensor  # [n] compute dtype; what the all-gather sends
     master: nn.Parameter  # [n] fp32, on the offload device when offloading
     grad: torch.Tensor | None = None  # [n] reduce dtype; None until the first reduction
@@ -61,7 +61,7 @@ class ShardedUpdate:
         self.shard_group = shard_group
         self.norm_axes = {"dp_shard": shard_group, **(norm_axes or {})}
         self.check_groups = check_groups
-        groups = [{"params": [s.master for s in shards if s.group == g], **opts}
+        groups = [{"params": [s.master for s in shards if s.param_group == g], **opts}
                   for g, opts in enumerate(group_options)]
         self.optimizer = make_optimizer([g for g in groups if g["params"]])
 

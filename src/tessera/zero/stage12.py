@@ -15,8 +15,9 @@ slices. Per step (N-1)/N·S + (N-1)/N·S = DDP's all-reduce.
 ZeRO-1 keeps the full gradient buffers (its reduced slice is a view into them) and reduces once per
 optimizer step (``no_sync`` accumulates micro-batches locally). ZeRO-2 reduces every backward into a
 persistent gradient slice and frees each bucket's full gradient once its reduce-scatter is done
-(completed when the next bucket launches, so only about two buckets of full gradients exist at a time,
-plus, with a second param group, its small bucket of vectors, which fills from the last layer to the first).
+(completed when the next bucket launches; buckets launch in the order backward fills them, so about two
+buckets of full gradients exist at a time, plus, with a second param group, its small bucket of vectors,
+which fills from the last layer to the first).
 With ``shard`` of size 1 and ``replicate`` = the dp group this is plain DDP with master weights.
 """
 
@@ -86,7 +87,7 @@ class ZeroDataParallel(nn.Module):
                                     self.buckets[0].flat.device, norm_axes)
         self.optimizer = self.update.optimizer
         self.reduction = ZeroReduction(stage, SliceReduction(shard, replicate, self.reduce_dtype),
-                                       [b.shard for b in self.buckets])
+                                       {b.grads: b.shard for b in self.buckets})
         # launched as backward fills them (not by group): overlap, and ZeRO-2 frees as it goes
         self.reducer = GradReducer(in_arrival_order(grads, list(reversed(list(module.parameters())))),
                                    self.reduction, hooks=hooks)
@@ -106,7 +107,7 @@ class ZeroDataParallel(nn.Module):
         # mixed precision: the master starts from the fp32 values (a copy, so flat32 can be freed)
         master = make_master(rank_slice(flat32, n, self.shard_group.size).clone() if flat is not flat32
                              else param_slice, offload_device)
-        shard = Shard(grads.group, param_slice, master)
+        shard = Shard(grads.param_group, param_slice, master)
         if self._param_axes is not None:
             shard.segments = slice_segments(offsets, [p.numel() for p in params],
                                             [frozenset(self._param_axes(p)) for p in params], n,

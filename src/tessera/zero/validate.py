@@ -7,14 +7,12 @@ from tessera.errors import ConfigError
 
 
 def validate_memory_savers(cfg) -> None:
-    """``cfg`` is a JobConfig (sections ``parallel``, ``ddp``, ``zero``, ``precision``, ``checkpointing``)."""
+    """``cfg`` is a JobConfig (sections ``parallel``, ``zero``, ``precision``). A ``[ddp]`` key under ZeRO is
+    refused by the one rule for settings without effect (``tessera.train.settings``)."""
     stage = cfg.parallel.zero_stage
     if cfg.zero.offload and stage == 0:
         raise ConfigError("zero.offload moves the sharded optimizer to the host, so it needs "
                           "parallel.zero_stage of 1, 2 or 3")
-    if stage > 0 and cfg.ddp.find_unused_parameters:
-        raise ConfigError("ddp.find_unused_parameters applies to DDP only (ZeRO reduces unused parameters' "
-                          "gradients as zeros); set it to false or parallel.zero_stage=0")
     if cfg.precision.dtype == "fp32" and cfg.precision.loss_scale == "dynamic":
         raise ConfigError("precision.loss_scale=dynamic protects fp16 gradients from underflow and has no "
                           "use with precision.dtype=fp32; set precision.loss_scale=none")
