@@ -100,15 +100,20 @@ def test_expert_parallel_with_zero_3_or_hybrid_sharding_is_rejected(extra, reaso
     assert reason in str(err.value) and "\n" not in str(err.value)
 
 
+def expert_zero_engine(topo):
+    """A tiny MoE model (4 experts in every block) under expert parallelism with ZeRO: (model, engine)."""
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny", num_experts=4, moe_every=1), MoEConfig(top_k=2))
+    cfg = OptimConfig()
+    return model, parallelize(model, topo, DDPConfig(), param_groups=lambda m: param_groups(m, cfg),
+                              make_optimizer=optimizer_factory(cfg))
+
+
 def layout_worker(rank, world_size, ep, stage):
     """What the engine holds on this rank: master elements of dense and expert slices, and totals."""
     topo = Topology.build(ParallelConfig(dp_replicate=world_size, ep=ep, zero_stage=stage))
     try:
-        torch.manual_seed(0)
-        model = Transformer(model_config("tiny", num_experts=4, moe_every=1), MoEConfig(top_k=2))
-        cfg = OptimConfig()
-        engine = parallelize(model, topo, DDPConfig(), param_groups=lambda m: param_groups(m, cfg),
-                             make_optimizer=optimizer_factory(cfg))
+        model, engine = expert_zero_engine(topo)
         dense, expert = engine.parts
         experts = {id(p) for p in expert_parameters(model)}
         in_optimizer = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
@@ -144,11 +149,7 @@ def overflow_worker(rank, world_size, ep):
     """An overflow in one rank's expert gradient slice: does every rank skip the step?"""
     topo = Topology.build(ParallelConfig(dp_replicate=world_size, ep=ep, zero_stage=1))
     try:
-        torch.manual_seed(0)
-        model = Transformer(model_config("tiny", num_experts=4, moe_every=1), MoEConfig(top_k=2))
-        cfg = OptimConfig()
-        engine = parallelize(model, topo, DDPConfig(), param_groups=lambda m: param_groups(m, cfg),
-                             make_optimizer=optimizer_factory(cfg))
+        _, engine = expert_zero_engine(topo)
         if rank == 0:
             shard = engine.parts[1].update.shards[0]
             shard.grad = torch.zeros_like(shard.param)
