@@ -29,8 +29,8 @@ and one over "tp" (and "dp" under ZeRO-1). Shapes: x_BS, y_BS token ids; activat
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -46,6 +46,7 @@ from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
 from tessera.precision import PrecisionConfig, unscale_
 from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
 from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory, param_groups
+from tessera.train.pipeline_stage import sequence_split, stage_preparer
 from tessera.train.step import IGNORE_INDEX, StepResult, global_token_count
 from tessera.train.strategies import loss_function
 from tessera.zero import ZeroConfig
@@ -71,16 +72,16 @@ class PipelineStep:
             raise ConfigError(f"pipeline parallelism composes with data and tensor parallelism here, but pp="
                               f"{self.pp.size} x dp={self.dp.size} x tp={self.tp.size} != "
                               f"{topology.world_size} ranks.")
-        sp = bool(tensor_parallel is not None and tensor_parallel.sequence_parallel and self.tp.size > 1)
         self._loss_parts = loss_function(topology)  # vocabulary-parallel under tp
         self.steps_inside = cfg.schedule == "pipedream"  # the schedule itself calls optimizer.step()
         self.timeline = Timeline(self.pp.rank, enabled=cfg.timeline)
         self._divisor = 1.0  # loss_fn divides each micro-batch's summed loss by this (the global tokens)
         self._sums: list[torch.Tensor] = []  # summed token loss per micro-batch, on the last stage's rank
-        prepare = None if self.tp.size == 1 else (lambda stage: _tensor_parallel_stage(stage, self.tp, tensor_parallel))
+        settings = SimpleNamespace(tensor_parallel=tensor_parallel)
+        prepare = stage_preparer(topology, settings, lambda: self._loss_scale / self._divisor)
         self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
                                              on_step=self._on_step if self.steps_inside else None,
-                                             prepare_stage=prepare, seq_split=self.tp.size if sp else 1)
+                                             prepare_stage=prepare, seq_split=sequence_split(topology, settings))
         self.module = _rank_module(self.pipe)
         self._axes_of = self._param_axes()
         self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
@@ -280,21 +281,6 @@ class PipelineStep:
             title = f"{self.cfg.schedule} pp={self.pp.size} m={self.pipe.schedule.n_microbatches}"
             write_gantt_png(os.path.join(run_dir, "timeline.png"), events, title, bubble)
         return {"bubble_fraction": bubble}
-
-
-def _tensor_parallel_stage(stage: nn.Module, tp: CommGroup, cfg) -> nn.Module:
-    """Megatron 1D tensor parallelism on one stage module, with the default plan's entries for the
-    parts this stage holds (no embedding on later stages, no norm / head on earlier ones)."""
-    from tessera.tensor_parallel import apply_tensor_parallel, default_plan
-
-    names = [name for name, _ in stage.named_modules() if name]
-    plan = {k: v for k, v in default_plan().items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
-    stage = apply_tensor_parallel(stage, tp, cfg, plan)
-    if cfg is not None and cfg.sequence_parallel and stage.tok_embeddings is None:
-        # a later stage receives activation_BsD (s = S/N): its rotary tables must span all S positions
-        stage.register_forward_pre_hook(
-            lambda mod, args: (args[0], torch.arange(args[0].shape[1] * tp.size, device=args[0].device)))
-    return stage
 
 
 def _rank_module(pipe: Pipeline) -> nn.Module:
