@@ -87,16 +87,11 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
 
 def engine_holds_optimizer(parallel, precision: PrecisionConfig | None = None) -> bool:
     """Whether a ZeRO / fp32-master-weight engine (:func:`is_sharded`) holds the optimizer of a job with
-    layout ``parallel`` (a resolved ParallelConfig): ZeRO at any stage; and, outside a pipeline and expert
-    parallelism, low-precision parameters or gradients reduced in a dtype other than the parameters'
-    (master weights in fp32). A pipeline stage (``tessera.train.pipeline_step``) and expert parallelism
-    keep their own fp32 optimizer unless ZeRO shards it (mixed precision is refused with both). The one
-    rule :func:`parallelize` follows and ``tessera.train.settings`` judges ``[zero]`` / ``[ddp]`` keys by."""
-    if parallel.zero_stage > 0:
-        return True
-    if parallel.pp > 1 or parallel.ep > 1:
-        return False
-    return (precision or PrecisionConfig()).below_fp32
+    layout ``parallel`` (a resolved ParallelConfig): ZeRO at any stage, or low-precision parameters or
+    gradients reduced in a dtype other than the parameters' (master weights in fp32), under every layout
+    (a pipeline's stages and expert parallelism included). The one rule :func:`parallelize` and
+    ``tessera.train.pipeline_step`` follow and ``tessera.train.settings`` judges ``[zero]`` / ``[ddp]`` keys by."""
+    return parallel.zero_stage > 0 or (precision or PrecisionConfig()).below_fp32
 
 
 def apply_tp(model: nn.Module, tp, cfg=None):
