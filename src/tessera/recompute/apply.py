@@ -18,7 +18,8 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from tessera.recompute.config import RecomputeConfig
 
@@ -61,7 +62,10 @@ def _checkpointed(original, mode: str, *args, **kwargs):
         return contexts[-1]
 
     extra = {"context_fn": context_fn} if mode == "selective" else {}
-    out = checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+    # no early stop: the recomputation must run the block to its end, so that forward hooks inside it
+    # (a tensor-parallel region's exit, which pops its saved-tensor hooks) run as they did in forward
+    with set_checkpoint_early_stop(False):
+        out = checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     # the selective policy's cache: {op key: {call index: output tree of _VersionWrapper}}
     cached = [t for ctx in contexts[:1] for calls in getattr(ctx[0], "storage", {}).values()
