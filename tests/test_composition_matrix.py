@@ -2,8 +2,9 @@
 
 Every pair of {dp, ZeRO-1, ZeRO-2, ZeRO-3, pp, tp, tp+sp, cp, ep, activation checkpointing, bf16} (the
 ZeRO stages are one axis, so they do not pair with each other, nor tp with tp+sp), plus pp×tp×{ZeRO-1, cp,
-ep} and dp×pp×tp×bf16×selective recompute, runs the full trainer on 2, 4 or 8 ranks (the smallest world
-that holds both strategies) from the same seed on the same global batches as one process. fp32 layouts
+ep}, dp×pp×tp×bf16×selective recompute, the zero-bubble schedule with ZeRO and with tp+SP×cp, and pp×ep
+with cp, with edp 2, and with ZeRO-3 and tied embeddings, runs
+the full trainer on 2, 4 or 8 ranks (the smallest world that holds the combination) from the same seed on the same global batches as one process. fp32 layouts
 must equal one process (losses rel 1e-5 and gradient norms rel 1e-4 at each of 4 steps, validation losses
 too); bf16 layouts must track the fp32 one-process curve within the bound of
 tests/test_precision.py::test_low_precision_tracks_the_fp32_loss_curve, yet differ from it (computed in
@@ -36,6 +37,8 @@ ITEMS = {
     "ep": ({"ep": 2}, ["--parallel.ep=2"]),
     "ckpt": ({}, ["--checkpointing.mode=selective"]),
     "bf16": ({}, ["--precision.dtype=bf16"]),
+    "zb": ({"pp": 2}, ["--parallel.pp=2", "--pipeline.schedule=zb-h1"]),  # only in EXTRA: zero-bubble pp
+    "tied": ({}, []),  # only in EXTRA: tied embeddings (the model's flag)
 }
 EXCLUSIVE = [{"zero1", "zero2", "zero3"}, {"tp", "tp+sp"}]  # one axis: no pair within a set
 MOE = ["--model.num_experts=4", "--moe.top_k=2"]
@@ -68,12 +71,16 @@ def layout(names: tuple[str, ...]) -> tuple[int, list[str], str]:
     if degrees["pp"] > 1:  # the pipeline's micro-batches are the sampler's: same routing groups as one process
         rank_batch = GLOBAL_BATCH // (degrees["dp_replicate"] * degrees["dp_shard"])
         flags.append(f"--pipeline.microbatches={rank_batch // MICRO_BATCH}")
-    return world, flags, "moe" if "ep" in names else "dense"
+    return world, flags, ("moe" if "ep" in names else "dense") + ("-tied" if "tied" in names else "")
 
 
-PAIRS = [p for p in itertools.combinations(ITEMS, 2) if not any(set(p) <= s for s in EXCLUSIVE)]
+PAIRS = [p for p in itertools.combinations([i for i in ITEMS if i not in ("zb", "tied")], 2)
+         if not any(set(p) <= s for s in EXCLUSIVE)]
 TRIPLES = [("pp", "tp", "zero1"), ("pp", "tp", "cp"), ("pp", "tp", "ep"), ("dp", "pp", "tp", "bf16", "ckpt")]
-CASES = {"x".join(c): c for c in PAIRS + TRIPLES}
+EXTRA = [("zb", "zero1"), ("zb", "zero3"), ("zb", "tp+sp", "cp"),  # zero-bubble's deferred weight gradients
+         # pp × ep: experts reduced over edp × cp, over edp 2, and stage 0 without experts under ZeRO
+         ("pp", "ep", "cp"), ("dp", "pp", "ep"), ("pp", "ep", "zero1"), ("pp", "ep", "zero3", "tied")]
+CASES = {"x".join(c): c for c in PAIRS + TRIPLES + EXTRA}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,8 @@ def references(tmp_path_factory, corpus_cache):
 
 
 def _args(out, cache, model, extra):
-    args = tiny_args(out, cache, extra=[*BASE, *(MOE if model == "moe" else []), *extra])
+    tied = ["--model.tie_embeddings=true"] if model.endswith("-tied") else []
+    args = tiny_args(out, cache, extra=[*BASE, *(MOE if model.startswith("moe") else []), *tied, *extra])
     return [*args, f"--data.global_batch_size={GLOBAL_BATCH}", f"--data.micro_batch_size={MICRO_BATCH}"]
 
 

@@ -83,7 +83,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     (["train", "--nproc", "2", "--parallel.pp=2", "--pipeline.microbatches=3"], "does not divide the batch size 16"),
     (["train", "--nproc", "2", "--model.preset=moe-small", "--model.num_experts=3", "--parallel.ep=2"],
      "parallel.ep=2 must divide the number of experts 3"),
-    (["train", "--nproc", "4", "--parallel.pp=2", "--parallel.zero_stage=3"], "is not supported in this version"),
+    (["train", "--nproc", "4", "--parallel.pp=2", "--parallel.zero_stage=3", "--pipeline.schedule=2bw"],
+     "ZeRO-3 with the weight-stashing pipeline.schedule='2bw'"),
     (["train", "--nproc", "8", "--parallel.cp=4", "--data.seq_len=100"], "must be divisible by 2·cp = 8"),
     (["train", "--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
 ])

@@ -5,8 +5,8 @@ plays the accelerator, the groups are declared on it, the model and its batches 
 a tensor made without a device, by ``.cpu()``, ``device="cpu"`` or from host memory reads ``cpu``. So a
 stray host tensor handed to ``tessera.comm`` raises DeviceMismatchError here, as NCCL would reject it on
 a GPU. The trainer drives one step (plus validation, metrics, memory gathering, the run folder, the
-pipeline timeline and a checkpoint) of each layout; library-only strategies (2D / 2.5D / 3D tensor
-parallelism, local SGD, the dense parameter-server variants) run one step of their own.
+pipeline timeline and a checkpoint) of each layout; library-only strategies (local SGD, the dense
+parameter-server variants) run one step of their own.
 """
 
 import re

@@ -75,19 +75,26 @@ SUPPORTED = [  # (world size, args): every one passes validation (those above al
     (8, ["--parallel.tp=2", SP, *PP]),
     (8, ["--parallel.tp=2", "--parallel.ep=2", *MOE]),
 ]
-REJECTED = [  # (world size, args, the reason's words)
-    (4, ["--parallel.pp=2", "--parallel.zero_stage=2"], "pipeline parallelism together with ZeRO-2/3"),
-    (4, ["--parallel.pp=2", "--parallel.cp=2"], "pipeline parallelism together with parallel.cp>1"),
-    (4, ["--parallel.pp=2", *MOE], "pipeline parallelism of a mixture-of-experts model"),
-    (4, ["--parallel.pp=2", "--precision.dtype=bf16"], "pipeline parallelism together with mixed precision"),
-    (4, ["--parallel.pp=2", "--parallel.zero_stage=1", "--pipeline.schedule=pipedream"],
-     "ZeRO-1 with the asynchronous pipedream schedule"),
-    (4, ["--parallel.pp=2", "--parallel.tp=2", "--pipeline.schedule=2bw"],
-     "tensor parallelism with the weight-stashing pipeline.schedule='2bw'"),
-    (4, ["--parallel.ep=2", "--parallel.cp=2", *MOE], "expert parallelism together with context parallelism"),
-    (4, ["--parallel.ep=2", "--parallel.zero_stage=3", *MOE], "expert parallelism together with ZeRO-3"),
-    (4, ["--parallel.cp=2", "--precision.dtype=bf16"], "mixed precision together with context or expert"),
-    (4, ["--parallel.cp=2", *MOE], "context parallelism of a mixture-of-experts model"),
+REJECTED = [  # (world size, args, the reason's words): the pairings that cannot work by construction
+    (4, ["--parallel.pp=2", "--parallel.zero_stage=3", "--pipeline.schedule=pipedream"],
+     "ZeRO-3 with the weight-stashing pipeline.schedule='pipedream'"),
+    (4, ["--parallel.pp=2", "--parallel.zero_stage=3", "--pipeline.schedule=2bw"],
+     "ZeRO-3 with the weight-stashing pipeline.schedule='2bw'"),
+    (2, ["--parallel.pp=2", "--model.tie_embeddings=true", "--pipeline.schedule=pipedream"],
+     "tied embeddings with the asynchronous pipedream schedule"),
+]
+FORMERLY_REJECTED = [  # refused before issue 15; each now trains (tests/test_composition_matrix.py and others)
+    (4, ["--parallel.pp=2", "--parallel.zero_stage=2"]),
+    (4, ["--parallel.pp=2", "--parallel.cp=2"]),
+    (4, ["--parallel.pp=2", *MOE]),
+    (4, ["--parallel.pp=2", "--precision.dtype=bf16"]),
+    (4, ["--parallel.pp=2", "--parallel.zero_stage=1", "--pipeline.schedule=pipedream"]),
+    (4, ["--parallel.pp=2", "--parallel.tp=2", "--pipeline.schedule=2bw"]),
+    (4, ["--parallel.ep=2", "--parallel.cp=2", *MOE]),
+    (4, ["--parallel.ep=2", "--parallel.zero_stage=3", *MOE]),
+    (4, ["--parallel.cp=2", "--precision.dtype=bf16"]),
+    (4, ["--parallel.cp=2", *MOE]),
+    (4, ["--parallel.tp=4", "--tensor_parallel.mode=2d"]),
 ]
 
 
@@ -96,14 +103,14 @@ def _config(args):
                               "--data.global_batch_size=32", "--data.micro_batch_size=2", *args])
 
 
-@pytest.mark.parametrize("world, args", SUPPORTED)
+@pytest.mark.parametrize("world, args", SUPPORTED + FORMERLY_REJECTED)
 def test_supported_layouts_pass_validation(world, args):
     validate_config(_config(args), world)
 
 
 @pytest.mark.parametrize("world, args, reason", REJECTED)
 def test_unsupported_layouts_are_rejected_with_one_sentence(world, args, reason):
-    with pytest.raises(ConfigError, match="is not supported in this version of tessera") as err:
+    with pytest.raises(ConfigError, match="cannot be combined") as err:
         validate_config(_config(args), world)
     assert reason in str(err.value) and "\n" not in str(err.value)
 

@@ -155,14 +155,13 @@ def test_pipedream_with_tied_embeddings_is_refused_before_any_rank_starts(tmp_pa
     assert main([*untied, "--dry-run"]) == 0  # untied, pipedream is accepted
 
 
-def test_hybrid_sharding_is_judged_on_resolved_degrees():
-    """dp_shard=4 with ep=2 on 4 ranks leaves dp_replicate=1: not hybrid sharding, so it is accepted;
-    dp_replicate=2 × dp_shard=2 is hybrid and stays refused."""
-    resolve_job(load_config(None, [*TINY, *MOE, "--parallel.dp_shard=4", "--parallel.ep=2",
-                                   "--parallel.zero_stage=1"]), 4)
-    with pytest.raises(ConfigError, match="hybrid sharding"):
-        resolve_job(load_config(None, [*TINY, *MOE, "--parallel.dp_shard=2", "--parallel.ep=2",
-                                       "--parallel.zero_stage=1"]), 4)
+def test_expert_parallel_layouts_resolve_with_and_without_hybrid_sharding():
+    """dp_shard=4 with ep=2 on 4 ranks leaves dp_replicate=1 (plain sharding); dp_shard=2 makes it
+    dp_replicate=2 × dp_shard=2 (hybrid sharding): both are accepted under ep."""
+    for shard, replicate in ((4, 1), (2, 2)):
+        par = resolve_job(load_config(None, [*TINY, *MOE, f"--parallel.dp_shard={shard}", "--parallel.ep=2",
+                                             "--parallel.zero_stage=1"]), 4)
+        assert (par.dp_replicate, par.dp_shard) == (replicate, shard)
 
 
 @pytest.mark.multirank

@@ -1,12 +1,14 @@
 """The one place that knows the order in which strategies are applied to a model.
 
 Order (torchtitan's, extended): pipeline split → tensor parallel (+ sequence parallel) → context
-parallel → expert parallel → activation checkpointing → mixed precision → data parallel / ZeRO.
-Each strategy composes with data parallelism; the supported hybrids and the pairings rejected by
-:func:`validate_composition` (before any rank starts, with a sentence saying why) are listed in
-docs/HYBRID.md. Pipeline parallelism is applied by the trainer (``tessera.train.pipeline_step``), since
-it changes the step itself rather than the model; it calls :func:`norm_axes` / :func:`sharded_axes` too,
-so every clipping path counts each gradient element once by the rule of ``tessera.grad_norm``.
+parallel → activation checkpointing → expert parallel → mixed precision → data parallel / ZeRO.
+The model-side part of that chain (tp → cp → checkpointing → ep) is :func:`parallelize_model_side`, which
+:func:`parallelize` applies to a whole model and the pipeline (``tessera.train.pipeline_stage``) to each of
+its stages; the pipeline step itself and its data-parallel side are ``tessera.train.pipeline_step``'s,
+which calls :func:`norm_axes` / :func:`sharded_axes` too, so every clipping path counts each gradient
+element once by the rule of ``tessera.grad_norm``. The supported hybrids and the pairings rejected by
+``tessera.composition.validate_composition`` (before any rank starts, with a sentence saying why) are
+listed in docs/HYBRID.md.
 
 Gradient convention: data-parallel gradients are *summed* over ranks, so the training loss on each
 rank must already be divided by the global number of tokens in the step (the trainer does this); that
@@ -15,12 +17,15 @@ keeps the result identical to one process however tokens are spread over ranks a
 
 from __future__ import annotations
 
+import fnmatch
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from tessera.data_parallel import DDPConfig, DistributedDataParallel
 from tessera.precision import PrecisionConfig
-from tessera.recompute import RecomputeConfig, apply_checkpointing, transformer_blocks
+from tessera.recompute import RecomputeConfig, apply_checkpointing
 from tessera.topology import Topology
 from tessera.zero import FullyShardedDataParallel, ZeroConfig, ZeroDataParallel
 from tessera.zero.build import shard_model
@@ -44,27 +49,17 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     shards of ``param_groups`` (see :func:`is_sharded`), and clips by the job-wide norm. ``param_groups``
     may be a callable ``model -> groups``, called after tensor parallelism replaced the layers.
     """
-    tp_cfg = None
-    if topology.size("tp") > 1:
-        tp_cfg = apply_tp(model, topology.group("tp"), tensor_parallel)
-    if topology.size("cp") > 1:
-        from tessera.context_parallel import ContextParallelConfig, apply_context_parallel
-
-        apply_context_parallel(model, topology.group("cp"), context_parallel or ContextParallelConfig())
-    if recompute is not None:
-        apply_checkpointing(transformer_blocks(model), recompute)
+    parallelize_model_side(model, topology, tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+                           recompute=recompute)
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
-        from tessera.moe import apply_expert_parallel, expert_parallelize, expert_zero
+        from tessera.moe import expert_parallelize, expert_zero
 
-        if engine_holds_optimizer(topology.config, precision):  # ZeRO-1/2: dense state over dp, expert over edp
-            apply_expert_parallel(model, topology.group("ep"))
+        if engine_holds_optimizer(topology.config, precision):  # ZeRO 0-3: dense state over dp, experts over edp
             model = expert_zero(model, topology, param_groups, make_optimizer, topology.config.zero_stage,
-                                zero or ZeroConfig(), norm_axes(topology), sharded_axes(model, topology))
+                                zero or ZeroConfig(), norm_axes(topology), sharded_axes(model, topology),
+                                precision=precision, device=device)
         else:
             model = expert_parallelize(model, topology, ddp)
-    if tp_cfg is not None and tp_cfg.sequence_parallel:
-        whole_moe_under_sp(unwrap(model), topology.group("tp"))
-    if topology.size("ep") > 1:
         return model
     precision = precision or PrecisionConfig()
     stage = topology.config.zero_stage
@@ -85,6 +80,34 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     return model
 
 
+def parallelize_model_side(model: nn.Module, topology: Topology, *, tensor_parallel=None, context_parallel=None,
+                           recompute: RecomputeConfig | None = None) -> nn.Module:
+    """The model-side strategies, in place and in the one order: tensor parallelism (+SP; MoE
+    feed-forwards left whole), context-parallel attention cores, activation checkpointing of the blocks,
+    expert-parallel MoE layers (all-to-all over "ep"; under SP run on the whole sequence). ``model`` is a
+    whole Transformer or one pipeline stage of it (its ``layers`` keep the model's keys, so
+    ``checkpointing.every`` picks the same blocks in both). :func:`parallelize` and the pipeline's stage
+    preparation (``tessera.train.pipeline_stage``) both call it; the data-parallel side is theirs."""
+    tp_cfg = None
+    if topology.size("tp") > 1:
+        tp_cfg = apply_tp(model, topology.group("tp"), tensor_parallel, topology.partitions["tp"])
+    if topology.size("cp") > 1:
+        from tessera.context_parallel import ContextParallelConfig, apply_context_parallel
+
+        apply_context_parallel(model, topology.group("cp"), context_parallel or ContextParallelConfig())
+    if recompute is not None and recompute.mode != "none":
+        every = recompute.every  # by the model's block index, which a stage's layer keys keep
+        blocks = [block for key, block in model.layers.items() if int(key) % every == 0]
+        apply_checkpointing(blocks, replace(recompute, every=1))
+    if topology.size("ep") > 1:
+        from tessera.moe import apply_expert_parallel
+
+        apply_expert_parallel(model, topology.group("ep"))
+    if tp_cfg is not None and tp_cfg.sequence_parallel:
+        whole_moe_under_sp(model, topology.group("tp"))  # after ep replaced the layers: hooks on those that run
+    return model
+
+
 def engine_holds_optimizer(parallel, precision: PrecisionConfig | None = None) -> bool:
     """Whether a ZeRO / fp32-master-weight engine (:func:`is_sharded`) holds the optimizer of a job with
     layout ``parallel`` (a resolved ParallelConfig): ZeRO at any stage, or low-precision parameters or
@@ -94,16 +117,28 @@ def engine_holds_optimizer(parallel, precision: PrecisionConfig | None = None) -
     return parallel.zero_stage > 0 or (precision or PrecisionConfig()).below_fp32
 
 
-def apply_tp(model: nn.Module, tp, cfg=None):
-    """Megatron 1D tensor parallelism over ``tp``; mixture-of-experts feed-forwards are left whole
-    (replicated over tp, see ``tensor_parallel/replicated.py``). Returns the TensorParallelConfig."""
+def apply_tp(model: nn.Module, tp, cfg=None, partition=None):
+    """Megatron 1D tensor parallelism over ``tp`` with the default plan's entries for the parts ``model``
+    holds (a whole Transformer, or a pipeline stage: no embedding on later stages, no norm / head on
+    earlier ones); mixture-of-experts feed-forwards are left whole (replicated over tp, see
+    ``tensor_parallel/replicated.py``). ``cfg.mode`` "2d" / "2.5d" / "3d": the whole model on Colossal-AI's
+    grids (``tensor_parallel/nd/model.py``), which need ``partition``, every tp group of the job (the
+    topology's ``partitions["tp"]``). Returns the TensorParallelConfig."""
     from tessera.models.moe import MoEFeedForward
     from tessera.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, default_plan
     from tessera.tensor_parallel.replicated import plan_without
 
     cfg = cfg or TensorParallelConfig()
+    if cfg.mode != "1d":
+        from tessera.tensor_parallel.nd.model import apply_nd_tensor_parallel
+
+        apply_nd_tensor_parallel(model, tp, cfg, partition)
+        return cfg
     moe = {name for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
-    apply_tensor_parallel(model, tp, cfg, plan_without(default_plan(), model, moe) if moe else None)
+    plan = plan_without(default_plan(), model, moe) if moe else default_plan()
+    names = [name for name, _ in model.named_modules() if name]
+    plan = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+    apply_tensor_parallel(model, tp, cfg, plan)
     return cfg
 
 

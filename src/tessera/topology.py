@@ -135,20 +135,26 @@ def axis_partition(grid: np.ndarray, order: tuple[str, ...], axes: tuple[str, ..
 
 
 def expert_partitions(grid: np.ndarray, order: tuple[str, ...], ep: int) -> dict[str, list[tuple[int, ...]]]:
-    """``ep`` and ``edp`` (expert-data-parallel) partitions, carved from the flattened dp groups."""
-    ep_groups, edp_groups = [], []
+    """``ep`` and ``edp`` (expert-data-parallel) partitions, carved from the flattened dp groups, and
+    ``edp_cp``: the ranks holding the same experts and different tokens under context parallelism
+    (edp × cp), over which expert gradients are summed."""
+    ep_groups, edp_groups, edp_cp_groups = [], [], []
     for dp_ranks in axis_partition(grid, order, FLAT_GROUPS["dp"]):
         block = np.array(dp_ranks).reshape(-1, ep)  # [dp/ep, ep]: dp index = edp_index * ep + ep_index
         ep_groups += [tuple(int(r) for r in row) for row in block]
         edp_groups += [tuple(int(r) for r in col) for col in block.T]
-    return {"ep": sorted(ep_groups), "edp": sorted(edp_groups)}
+    cp = grid.shape[order.index("cp")]
+    for ranks in axis_partition(grid, order, FLAT_GROUPS["dp_cp"]):  # cp varies fastest in a dp_cp row
+        block = np.array(ranks).reshape(-1, ep, cp)  # dp_cp index = (edp_index * ep + ep_index) * cp + cp_index
+        edp_cp_groups += [tuple(sorted(int(r) for r in block[:, e, :].flatten())) for e in range(ep)]
+    return {"ep": sorted(ep_groups), "edp": sorted(edp_groups), "edp_cp": sorted(edp_cp_groups)}
 
 
 class Topology:
     """The parallel layout of one job: degrees, this rank's coordinates, and one CommGroup per axis.
 
     Groups: each grid axis (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), the flattened
-    ``dp``, ``dp_cp`` and ``dp_shard_cp``, ``ep`` / ``edp`` for expert parallelism, and ``world``. Ranks of a group
+    ``dp``, ``dp_cp`` and ``dp_shard_cp``, ``ep`` / ``edp`` / ``edp_cp`` for expert parallelism, and ``world``. Ranks of a group
     appear in ascending order, so a group's local rank follows the global rank.
     """
 

@@ -17,7 +17,7 @@ Where the values live:
   range of the bucket, which crosses parameters: each parameter's share is cut into rectangles
   (:func:`flat_boxes`) and mapped through the parameter's placement;
 - ZeRO-3 (:class:`FullyShardedDataParallel`): the same per :class:`FlatParam` (a unit's parameters);
-- ZeRO-1/2 × ep (:class:`tessera.moe.ExpertZeroDataParallel`): its two engines' buckets (dense over dp,
+- ZeRO-0/1/2/3 × ep (:class:`tessera.moe.ExpertZeroDataParallel`): its two engines' buckets (dense over dp,
   experts over edp), each as above; the placement gives experts their global index.
 
 Every piece's tensor is a view of live storage, so a load writes straight into the parameters, masters and
@@ -34,7 +34,7 @@ from torch import nn
 
 from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.placement import Placer, flat_boxes
-from tessera.zero import FullyShardedDataParallel, ZeroDataParallel
+from tessera.zero import FullyShardedDataParallel
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -70,18 +70,8 @@ def state_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, topol
     placer = Placer(core)
     if engine is None:
         return _whole_pieces(core, optimizer, placer)
-    if isinstance(engine, ZeroDataParallel) or hasattr(engine, "parts"):  # parts: ZeRO × ep (dense, experts)
-        names = {id(p): n for n, p in core.named_parameters()}
-        ranges = [(b.shard.master, e.shard_group.rank,
-                   [(names[id(p)], tuple(p.shape), o) for p, o in zip(b.params, b.offsets)])
-                  for e in getattr(engine, "parts", (engine,)) for b in e.buckets]
-    elif isinstance(engine, FullyShardedDataParallel):
-        ranges = [(f.shard.master, f.group_shard.rank, list(zip(f.names, map(tuple, f.shapes), f.offsets)))
-                  for f in engine.flats]
-    else:
-        raise TypeError(f"state_pieces does not know the engine {type(engine).__name__}")
-    pieces = []
-    for master, rank, entries in ranges:
+    pieces = []  # every sharded engine lists its flat master slices: ZeRO-1/2/3, and both parts under ep
+    for master, rank, entries in engine.flat_shards():
         pieces += _flat_shard_pieces(master, rank, entries, optimizer.state[master], placer)
     return pieces
 

@@ -1,5 +1,6 @@
-"""Context-parallelise a model in place: swap every attention core for a distributed one and give the
-model the absolute positions of the tokens each rank holds.
+"""Context-parallelise a model in place: swap every attention core for a distributed one, give the
+model the absolute positions of the tokens each rank holds, and make every mixture-of-experts router
+decide the whole micro-batch as one routing group (``moe_routing.py``).
 
 What the caller must do besides (see docs/CONTEXT_PARALLEL.md): feed each cp rank its zig-zag shard of
 tokens AND labels (`shard_sequence`), count tokens and reduce gradients over the ``dp_cp`` group.
@@ -12,6 +13,7 @@ from torch import nn
 from tessera.comm.group import CommGroup
 from tessera.context_parallel.config import ContextParallelConfig
 from tessera.context_parallel.layout import zigzag_positions
+from tessera.context_parallel.moe_routing import route_over_context
 from tessera.context_parallel.ring_attention import RingAttention
 from tessera.context_parallel.ring_self_attention import RingSelfAttention
 from tessera.context_parallel.ulysses import UlyssesAttention
@@ -49,7 +51,8 @@ def _position_hook(cp: CommGroup):
 
 def apply_context_parallel(model: nn.Module, cp: CommGroup, cfg: ContextParallelConfig) -> nn.Module:
     """In place: every module with a ``core_attention`` gets the ``cfg.method`` core over ``cp``,
-    and ``model`` (a `Transformer`) gets a pre-hook passing ``positions`` of this rank's tokens.
+    ``model`` (a `Transformer`) gets a pre-hook passing ``positions`` of this rank's tokens, and every
+    MoE router routes over ``cp`` (capacity, slots and auxiliary losses of the whole micro-batch).
 
     A cp group of size 1 leaves the model untouched. Returns ``model``.
     """
@@ -64,5 +67,6 @@ def apply_context_parallel(model: nn.Module, cp: CommGroup, cfg: ContextParallel
         cfg.check_shapes(cp.size, None, attn.n_heads, attn.n_kv_heads,
                          getattr(attn.core_attention, "dropout", 0.0))
         attn.core_attention = make_core(cfg.method, cp, attn.core_attention)
+    route_over_context(model, cp)
     model.register_forward_pre_hook(_position_hook(cp), with_kwargs=True)
     return model

@@ -65,16 +65,17 @@ def ring_self_attention(q_BHLE, k_BKLE, v_BKLE, group: CommGroup) -> torch.Tenso
     k_pos_S = torch.cat([zigzag_positions(n * l, j, n, device=q_BHLE.device) for j in range(n)])
     s_BHLS = s_BHLS.masked_fill(k_pos_S[None, :] > q_pos_L[:, None], float("-inf"))
     p_BHLS = torch.softmax(s_BHLS.float(), dim=-1).to(q_BHLE.dtype)
-    # phase 2: out = Σ_src p[:, :, :, src block] · v_src
+    # phase 2: out = Σ_src p[:, :, :, src block] · v_src, the cp partial sums added in float32 (in bf16 /
+    # fp16 each addition would round again), cast back once
     out_BHLE = None
     v_cur = v_BKLE
     for step in range(n):
         if step:
             v_cur = _RingShift.apply(v_cur, group)
         src = (r - step) % n
-        part = p_BHLS[..., src * l:(src + 1) * l] @ _repeat_heads(v_cur, n_rep)
+        part = (p_BHLS[..., src * l:(src + 1) * l] @ _repeat_heads(v_cur, n_rep)).float()
         out_BHLE = part if out_BHLE is None else out_BHLE + part
-    return out_BHLE
+    return out_BHLE.to(q_BHLE.dtype)
 
 
 class RingSelfAttention(nn.Module):

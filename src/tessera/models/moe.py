@@ -3,7 +3,8 @@
 Single-device only (never imports torch.distributed); the expert-parallel layer in ``tessera.moe``
 subclasses :class:`MoEFeedForward` and overrides only :meth:`MoEFeedForward.run_experts`.
 
-Definitions (T tokens in one routing group = one micro-batch on one rank, E experts, k = top_k):
+Definitions (T tokens in one routing group = one micro-batch on one data-parallel rank, E experts,
+k = top_k):
 
 - Router probabilities ``p = softmax(x W_g)`` in float32. Each token picks the k experts with the
   largest score; ties go to the LOWER expert index (a stable sort), so routing is deterministic.
@@ -21,6 +22,11 @@ Definitions (T tokens in one routing group = one micro-batch on one rank, E expe
 - Loss weighting: each group adds ``(aux_loss_coef·aux + z_loss_coef·z) · T`` to the micro-batch's
   summed token loss (see :func:`moe_loss_sum`) before the division by the global token count, so the
   aux term is a token-weighted mean over routing groups and N ranks equal one process.
+- A routing group spread over devices (context parallelism: each rank holds chunks of every sequence)
+  is decided as a whole: :meth:`Router.group_choices`, overridden by the strategy, returns the whole
+  group's choices in token order (b·S + s), so capacity and slots are the one-device ones. Each device
+  then keeps its own tokens' rows and adds its SHARE of aux and z (its tokens' part of the means over
+  T), so the shares sum to the group's values, with no collective in autograd.
 
 Legend: T tokens, D model dim, E experts, K top-k, N dispatched rows, F expert hidden dim.
 """
@@ -100,7 +106,8 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float, mi
 
 @dataclass
 class Routing:
-    """The router's decision for one group of T tokens."""
+    """The router's decision for this device's T tokens of a routing group of ``tokens`` tokens (the same
+    number unless the group is spread over devices; then aux and z are this device's shares)."""
 
     expert_TK: torch.Tensor  # long: chosen expert of each (token, choice)
     gate_TK: torch.Tensor  # float32 gate weight (differentiable; dropped ones are multiplied by 0)
@@ -110,6 +117,7 @@ class Routing:
     kept_E: torch.Tensor  # long: assignments each expert computes
     routed_E: torch.Tensor  # long: assignments routed to each expert, before capacity dropping
     capacity: int  # slots per expert (T·k when drop_tokens is off)
+    tokens: int  # tokens in the whole routing group
 
     @property
     def dropped(self) -> int:
@@ -117,7 +125,10 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Top-k softmax gate: ``gate`` is a bias-free Linear(D, E)."""
+    """Top-k softmax gate: ``gate`` is a bias-free Linear(D, E).
+
+    :meth:`group_choices` is the one hook for a routing group spread over devices (see module doc).
+    """
 
     def __init__(self, dim: int, num_experts: int, cfg: MoEConfig):
         super().__init__()
@@ -125,7 +136,8 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.gate = nn.Linear(dim, num_experts, bias=False)
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, batch: int = 1) -> Routing:
+        """Route ``x_TD``: the T tokens of ``batch`` sequences, sequence-major ([B, S, D] flattened)."""
         cfg, n_exp, k = self.cfg, self.num_experts, self.cfg.top_k
         if self.training and cfg.noisy_gate_policy == "jitter":  # Switch: multiplicative input noise
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
@@ -139,17 +151,32 @@ class Router(nn.Module):
         gate_TK = probs_TE.gather(1, expert_TK)
         if k > 1 and cfg.normalize_top_k:
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
-        tokens = x_TD.shape[0]
+        group_GK, mine_T = self.group_choices(expert_TK, batch)  # G = tokens in the routing group
+        tokens = group_GK.shape[0]
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = (expert_capacity(tokens, n_exp, k, factor, cfg.min_capacity) if cfg.drop_tokens
                     else tokens * k)
-        keep_TK, routed_E = _fill_slots(expert_TK, n_exp, capacity)
-        f_E = routed_E.float() / max(tokens * k, 1)
-        aux = n_exp * (f_E * probs_TE.mean(0)).sum()
-        z = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
-        kept_E = torch.zeros(n_exp, dtype=torch.long, device=x_TD.device)
-        kept_E.scatter_add_(0, expert_TK[keep_TK], torch.ones_like(expert_TK[keep_TK]))
-        return Routing(expert_TK, gate_TK, keep_TK, aux, z, kept_E, routed_E, capacity)
+        keep_GK, routed_group_E = _fill_slots(group_GK, n_exp, capacity)
+        keep_TK = keep_GK if mine_T is None else keep_GK[mine_T]
+        share = x_TD.shape[0] / max(tokens, 1)  # this device's part of the group's means (1.0: all of it)
+        f_E = routed_group_E.float() / max(tokens * k, 1)
+        aux = n_exp * (f_E * probs_TE.mean(0)).sum() * share
+        z = torch.logsumexp(logits_TE, dim=-1).pow(2).mean() * share
+        kept_E = _count(expert_TK[keep_TK], n_exp)
+        routed_E = routed_group_E if mine_T is None else _count(expert_TK, n_exp)
+        return Routing(expert_TK, gate_TK, keep_TK, aux, z, kept_E, routed_E, capacity, tokens)
+
+    def group_choices(self, expert_TK: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the routing group's choices [G, K] in token order, the rows of this device's T tokens in it).
+
+        One device holds the whole group: (``expert_TK``, None). Context parallelism overrides this."""
+        return expert_TK, None
+
+
+def _count(expert: torch.Tensor, n_exp: int) -> torch.Tensor:
+    """Assignments per expert [E] (long) among the expert indices ``expert`` (any shape)."""
+    flat = expert.reshape(-1)
+    return torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _fill_slots(expert_TK: torch.Tensor, n_exp: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,9 +245,9 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, batch=x_BSD.shape[0] if x_BSD.dim() == 3 else 1)
         y_TD = self.run_experts(x_TD, routing)
-        self._account(routing, x_TD.shape[0])
+        self._account(routing)
         if self.cfg.use_residual:
             coef_T2 = self.residual_coef(x_TD).softmax(dim=-1)
             y_TD = y_TD * coef_T2[:, :1] + self.residual_mlp(x_TD) * coef_T2[:, 1:]
@@ -234,13 +261,16 @@ class MoEFeedForward(nn.Module):
         y_ND = run_local_experts(self.experts, x_TD[token_N], count_E.tolist())
         return combine(y_ND, slot_N, routing.gate_TK)
 
-    def _account(self, routing: Routing, tokens: int) -> None:
+    def _account(self, routing: Routing) -> None:
         """Training forwards only: keep the routing loss of THIS forward (replacing any earlier one, so a
-        caller that never collects it holds no old autograd graph) and count the routing."""
-        if self.training:
+        caller that never collects it holds no old autograd graph) and count the routing. The loss is
+        weighted by the whole group's T: a device holding part of the group adds its share of it.
+        A forward that autograd runs inside backward (activation checkpointing's recomputation) repeats
+        one already counted and collected, so it is skipped."""
+        if self.training and torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
             self.pending_loss = (self.cfg.aux_loss_coef * routing.aux_loss
-                                 + self.cfg.z_loss_coef * routing.z_loss) * tokens
-            self.stats.add(routing, tokens)
+                                 + self.cfg.z_loss_coef * routing.z_loss) * routing.tokens
+            self.stats.add(routing)
 
 
 @dataclass
@@ -249,6 +279,8 @@ class MoEStats:
 
     They live on the device the routing ran on and are added to there, so a forward never waits for the
     device (no ``.item()`` / ``.cpu()``); the host reads them once per step, after the metrics all-reduce.
+    Every counter is this device's share (its tokens; its share of aux·T and z·T), so summing them over
+    every rank that holds different tokens gives the job's counts.
     """
 
     values: torch.Tensor  # [2E + 5]: kept per expert, routed per expert, dropped, assignments, tokens, aux·T, z·T
@@ -263,15 +295,15 @@ class MoEStats:
             self.values = self.values.to(device)
         return self.values
 
-    def add(self, routing: Routing, tokens: int) -> None:
+    def add(self, routing: Routing) -> None:
         values, n_exp = self.on(routing.kept_E.device), routing.kept_E.numel()
         values[:n_exp].add_(routing.kept_E)
         values[n_exp : 2 * n_exp].add_(routing.routed_E)
         values[2 * n_exp].add_((~routing.keep_TK).sum())
         values[2 * n_exp + 1].add_(routing.expert_TK.numel())  # Python ints: kernel arguments, no copy
-        values[2 * n_exp + 2].add_(tokens)
-        values[2 * n_exp + 3].add_(routing.aux_loss.detach().double() * tokens)
-        values[2 * n_exp + 4].add_(routing.z_loss.detach().double() * tokens)
+        values[2 * n_exp + 2].add_(routing.expert_TK.shape[0])
+        values[2 * n_exp + 3].add_(routing.aux_loss.detach().double() * routing.tokens)
+        values[2 * n_exp + 4].add_(routing.z_loss.detach().double() * routing.tokens)
 
     def reset(self) -> None:
         self.values.zero_()

@@ -13,7 +13,9 @@ none (at construction dense state is broadcast from dp rank 0 and expert state f
 Backward communication: bucketed all-reduces (sum) of the dense gradients on ``dp`` and of the expert
 gradients on ``edp``: 2(dp−1)/dp · dense bytes + 2(edp−1)/edp · local expert bytes per rank. Inside
 ``no_sync()`` gradients only accumulate. A parameter without a gradient contributes zeros (with
-``find_unused_parameters``: keeps ``grad = None`` when no rank of its group has one).
+``find_unused_parameters``: keeps ``grad = None`` when no rank of its group has one). ``manual``: the
+hooks stay silent (as inside ``no_sync`` for the wrapper's whole life) and :meth:`reduce_gradients`
+reduces what a pipeline schedule's many backwards accumulated, once per step, with the same buckets.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class ExpertDataParallel(nn.Module):
     """Wraps an expert-parallel ``module``; ``dp`` and ``edp`` are CommGroups from the Topology."""
 
     def __init__(self, module: nn.Module, dp: CommGroup, edp: CommGroup, bucket_mb: float = 25.0,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, manual: bool = False):
         super().__init__()
         self.module, self.dp, self.edp = module, dp, edp
         experts = {id(p) for p in expert_parameters(module)}
@@ -46,6 +48,9 @@ class ExpertDataParallel(nn.Module):
             DistributedDataParallel(module, edp, parameters=[p for p in params if id(p) in experts],
                                     broadcast_buffers=False, **common),
         ]
+        self._silenced = contextlib.ExitStack()  # manual mode: no_sync held open until the wrapper goes
+        if manual:
+            self._silenced.enter_context(self.no_sync())
 
     @property
     def grad_buffers(self) -> list[torch.Tensor]:
@@ -59,11 +64,21 @@ class ExpertDataParallel(nn.Module):
         with self._replicas[0].no_sync(), self._replicas[1].no_sync():
             yield
 
+    def reduce_gradients(self) -> None:
+        """Reduce the gradients accumulated since the last reduction: dense over dp, then experts over edp
+        (the same buckets and collectives as a synchronised backward; for manual mode)."""
+        for ddp in self._replicas:
+            ddp.reducer.reduce_gradients()
 
-def expert_parallelize(model: nn.Module, topology, ddp=None) -> ExpertDataParallel:
+
+def expert_parallelize(model: nn.Module, topology, ddp=None, manual: bool = False) -> ExpertDataParallel:
     """The expert-parallel step of ``parallelize``: shard the experts of ``model`` over the topology's
-    ``ep`` group, then reduce dense gradients over ``dp`` and expert gradients over ``edp`` (``ddp``: the
-    DDPConfig whose bucket size and find_unused_parameters both reductions take)."""
+    ``ep`` group, then reduce dense gradients over ``dp`` and expert gradients over ``edp`` (× cp under context
+    parallelism: ``dp_cp``, ``edp_cp``) (``ddp``: the
+    DDPConfig whose bucket size and find_unused_parameters both reductions take; ``manual``: only in
+    ``reduce_gradients()``)."""
     apply_expert_parallel(model, topology.group("ep"))
     kwargs = {} if ddp is None else dict(bucket_mb=ddp.bucket_mb, find_unused_parameters=ddp.find_unused_parameters)
-    return ExpertDataParallel(model, topology.group("dp"), topology.group("edp"), **kwargs)
+    cp = topology.size("cp") > 1  # the cp ranks hold the same parameters and see other tokens
+    return ExpertDataParallel(model, topology.group("dp_cp" if cp else "dp"), topology.group("edp_cp" if cp else "edp"),
+                              manual=manual, **kwargs)

@@ -2,7 +2,9 @@
 
 Rank r of the ep group holds experts ``r·E/ep … (r+1)·E/ep − 1``; the router, residual MLP and shared
 experts stay replicated. Each rank routes ITS OWN tokens (so capacity and dropping are decided per
-rank, exactly as one process routing that rank's micro-batch would), then:
+rank, exactly as one process routing that rank's micro-batch would; under context parallelism the
+router decides the micro-batch its cp ranks share as one group, see
+``tessera.context_parallel.moe_routing``, and this rank dispatches its own tokens' kept rows), then:
 
 Forward communication (per MoE layer, on the ``ep`` group):
   1. all-to-all of the per-expert row counts ([ep, E/ep] int64), so every rank knows its receive splits;

@@ -1,22 +1,31 @@
-"""ZeRO-1/2 for an expert-parallel model: dense state sharded over ``dp``, expert state over ``edp``.
+"""ZeRO (stages 0-3) for an expert-parallel model: dense state over the data-parallel ranks, expert
+state over ``edp``.
 
-A dense parameter is replicated on every data-parallel rank, so its optimizer state (and, at stage 2,
-its gradient) is cut into dp slices; an expert lives on one rank of each ep group and has copies only on
+A dense parameter is replicated on every data-parallel rank, so its state is sharded like a dense
+model's (``tessera.zero.build.dense_groups``): over ``dp``, or over ``dp_shard`` and replicated over
+``dp_replicate`` with hybrid sharding. An expert lives on one rank of each ep group and has copies only on
 the ``edp`` ranks, so its state is cut into edp slices (with edp of one rank it is not sharded at all).
-This is two :class:`ZeroDataParallel` engines over disjoint parameter subsets — the ZeRO counterpart of
-:class:`tessera.moe.ExpertDataParallel` — stepped by ONE optimizer over both engines' master shards
-(param group g holds the dense and the expert masters of the model's group g, so a learning-rate
-scheduler drives both alike).
+Under hybrid sharding the experts stay sharded over the whole ``edp`` group: edp (= dp/ep) is already
+the small group, and the topology has no expert counterpart of dp_shard × dp_replicate to split it by
+(dense state is sharded over ``dp_shard`` and replicated over ``dp_replicate``). Stage 0 (fp32 master
+weights without sharding, for mixed precision) replicates the dense state over dp and the experts over
+edp. This is two engines over disjoint parameter subsets (``tessera.zero.build.build_engine``: ZeRO-1/2's
+:class:`ZeroDataParallel` or ZeRO-3's :class:`FullyShardedDataParallel`, whose units then gather dense
+flats over dp and expert flats over edp) — the ZeRO counterpart of :class:`tessera.moe.ExpertDataParallel`
+— stepped by ONE optimizer over both engines' master shards (param group g holds the dense and the expert
+masters of the model's group g, so a learning-rate scheduler drives both alike).
 
-Forward communication: none (at construction dense buckets are broadcast over dp, expert buckets over
-edp). Backward communication: one reduce-scatter (sum) per dense bucket over ``dp`` and per expert bucket
-over ``edp``. Step: one fp32 all-reduce per norm axis (ep, edp, tp), a finiteness flag over dp, then one
-all-gather per bucket of the updated slices (dense over dp, experts over edp).
+Communication per step, as each stage has it for a dense model, with the dense collectives on dp (or
+dp_shard, then an all-reduce of slices over dp_replicate) and the expert ones on edp: ZeRO-1/2 a
+reduce-scatter per bucket in backward and an all-gather per bucket after the step; ZeRO-3 an all-gather per
+unit flat before its forward and its backward and a reduce-scatter of it after its backward; stage 0 an
+all-reduce per bucket. Then one fp32 all-reduce per norm axis, a finiteness flag over the job. ``manual``:
+no reduction from backward, only :meth:`reduce_gradients` (a pipeline's many backwards per step).
 
-Clipping norm: ``dp`` = ``ep`` × ``edp`` (dp index = edp index · ep + ep index), and every rank holds
-a different dense slice (sharded over dp) and a different expert slice (different experts over ep,
-different slices over edp), so every slice is sharded on {ep, edp} (plus tp where tensor parallelism
-split it); summing over ep then edp counts each element once (``tessera.grad_norm``).
+Clipping norm: the dense slices and the expert slices follow different layouts (dense: sharded over its
+shard group, identical on its replicas; experts: different experts over ep, slices over edp), so each
+engine's squares are summed job-wide over its own axes (``tessera.grad_norm``: every element counted
+once), and the job's norm is the norm of those two norms.
 """
 
 from __future__ import annotations
@@ -28,38 +37,37 @@ import torch
 from torch import nn
 
 from tessera.comm.group import CommGroup
-from tessera.grad_norm import GradPiece, clip_grad_norm
+from tessera.grad_norm import GradPiece, clip_grad_norm, global_grad_norm
+from tessera.models.layers import TransformerBlock
 from tessera.moe.expert_parallel import expert_parameters
-from tessera.zero.stage12 import ZeroDataParallel
+from tessera.precision.config import PrecisionConfig
+from tessera.zero.build import build_engine, dense_groups
 
 
 class ExpertZeroDataParallel(nn.Module):
-    """ZeRO-``stage`` (1 or 2) around an expert-parallel ``module``; exposes the sharded-engine interface
+    """ZeRO-``stage`` (0-3) around an expert-parallel ``module``; exposes the sharded-engine interface
     (``optimizer``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``gather_params``, ``memory_tensors``,
-    ``no_sync``, ``update.shards``). ``parts`` = (dense engine, expert engine)."""
+    ``no_sync``, ``reduce_gradients``, ``update.shards``). ``parts`` = (dense engine, expert engine), built
+    by ``make_part(groups, shard, replicate, norm_axes)``; ``dense`` / ``experts`` are their (shard,
+    replicate) groups; ``ep`` the expert-parallel group."""
 
-    def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, dp: CommGroup,
-                 edp: CommGroup, ep: CommGroup, stage: int, bucket_mb: float = 25.0,
-                 offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
-                 param_axes=None):
+    def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, make_part,
+                 dense: tuple[CommGroup, CommGroup], experts: tuple[CommGroup, CommGroup], ep: CommGroup,
+                 norm_axes: dict[str, CommGroup] | None = None):
         super().__init__()
-        self.module, self.stage = module, stage
-        experts = {id(p) for p in expert_parameters(module)}
-        single = CommGroup.single("dp_replicate", dp.ledger, dp.device)
+        self.module = module
+        is_expert = {id(p) for p in expert_parameters(module)}
 
         def subset(keep):
-            return [{**g, "params": [p for p in g["params"] if keep(id(p) in experts)]} for g in param_groups]
+            return [{**g, "params": [p for p in g["params"] if keep(id(p) in is_expert)]} for g in param_groups]
 
-        common = dict(bucket_mb=bucket_mb, offload_device=offload_device, param_axes=param_axes)
         # each engine's norm axes beyond its shard group, which its finiteness flag also crosses so that it
-        # reaches every rank of the job: the dense slices are sharded over dp (which holds ep), the expert
-        # slices over edp and, being different experts, ep; both over every further axis (tp)
+        # reaches every rank of the job: the dense slices span the data-parallel ranks (which hold ep), the
+        # expert slices edp and, being different experts, ep; both every further axis (tp)
         others = {k: v for k, v in (norm_axes or {}).items() if k != "ep"}
         # a plain tuple, so the wrapped module is not registered three times
-        self.parts = (ZeroDataParallel(module, subset(lambda e: not e), make_optimizer, dp, single, stage,
-                                       norm_axes=others, **common),
-                      ZeroDataParallel(module, subset(lambda e: e), make_optimizer, edp, single, stage,
-                                       norm_axes={"ep": ep, **others}, **common))
+        self.parts = (make_part(subset(lambda e: not e), *dense, others),
+                      make_part(subset(lambda e: e), *experts, {"ep": ep, **others}))
         # ONE optimizer: group g = the dense and expert masters of the model's group g
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [s.master for e in self.parts for s in e.update.shards if s.param_group == i]}
@@ -68,7 +76,6 @@ class ExpertZeroDataParallel(nn.Module):
         for e in self.parts:
             e.optimizer = e.update.optimizer = self.optimizer
         self.update = SimpleNamespace(shards=[s for e in self.parts for s in e.update.shards])
-        self.norm_axes = {"ep": ep, "edp": edp, **others}
         self.device = self.parts[0].update.device
 
     def forward(self, *args, **kwargs):
@@ -76,10 +83,15 @@ class ExpertZeroDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        with self.parts[0].no_sync(), self.parts[1].no_sync():
+        """ZeRO-1 (and stage 0) accumulate locally; ZeRO-2/3 reduce every backward (nothing to put off)."""
+        with contextlib.ExitStack() as stack:
+            for e in self.parts:
+                if hasattr(e, "no_sync"):
+                    stack.enter_context(e.no_sync())
             yield
 
     def reduce_gradients(self) -> None:
+        """Manual mode: reduce what the step's backwards accumulated (dense engine first, then experts)."""
         for e in self.parts:
             e.reduce_gradients()
 
@@ -90,10 +102,13 @@ class ExpertZeroDataParallel(nn.Module):
         finite = all([e.update.prepare_grads(inv_scale) for e in self.parts])  # both run: collectives
         if not finite:
             return float("inf"), False
-        # each engine's pieces are sharded on its shard group ("dp_shard"): dp = ep × edp, edp (+ ep)
-        pieces = [GradPiece(p.grad, (p.sharded - {"dp_shard"}) | {"ep", "edp"})
-                  for e in self.parts for p in e.update.norm_pieces()]
-        norm = clip_grad_norm(pieces, self.norm_axes, max_norm, device=self.device,
+        # each part's job-wide norm over its own layout: its shard group ("dp_shard": dp, dp_shard or edp;
+        # its replicas hold identical slices) and tp; expert slices also differ along ep
+        norms = [global_grad_norm([GradPiece(p.grad, p.sharded | extra) for p in e.update.norm_pieces()],
+                                  e.update.norm_axes, self.device)
+                 for e, extra in zip(self.parts, (frozenset(), frozenset({"ep"})))]
+        # ‖(‖dense‖, ‖experts‖)‖ is the job's norm; clip_grad_norm scales every master gradient by it
+        norm = clip_grad_norm([GradPiece(torch.stack(norms))], {}, max_norm, device=self.device,
                               scale=[s.master.grad for s in self.update.shards])
         return norm, True
 
@@ -113,6 +128,15 @@ class ExpertZeroDataParallel(nn.Module):
         for e in self.parts:
             e.zero_grad()
 
+    @property
+    def flats(self) -> list:
+        """ZeRO-3: both parts' flat parameters (dense, then experts); [] at stages 0–2."""
+        return [f for e in self.parts for f in getattr(e, "flats", ())]
+
+    def flat_shards(self) -> list:
+        """Both engines' flat master slices (dense, then experts), as ``ZeroDataParallel.flat_shards``."""
+        return [x for e in self.parts for x in e.flat_shards()]
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Both engines' tensors; the shared optimizer's state is listed by each, so keep each once."""
         out: dict[str, list[torch.Tensor]] = {}
@@ -123,13 +147,23 @@ class ExpertZeroDataParallel(nn.Module):
         return out
 
 
-def expert_zero(model: nn.Module, topology, param_groups, make_optimizer, stage: int, zero,
-                norm_axes=None, param_axes=None) -> ExpertZeroDataParallel:
-    """The ZeRO path of ``parallelize`` for ep > 1 (experts already sharded over ep): ``param_groups``
-    may be a callable ``model -> groups`` (called now, after the experts were replaced)."""
+def expert_zero(model: nn.Module, topology, param_groups, make_optimizer, stage: int, zero, norm_axes=None,
+                param_axes=None, precision: PrecisionConfig | None = None, device: torch.device | None = None,
+                manual: bool = False) -> ExpertZeroDataParallel:
+    """The ZeRO / master-weight path of ``parallelize`` for ep > 1 (experts already sharded over ep):
+    ``param_groups`` may be a callable ``model -> groups`` (called now, after the experts were replaced).
+    ``precision``: parameter and reduction dtypes (default fp32); ``device``: where ZeRO-3 gathers."""
     if callable(param_groups):
         param_groups = param_groups(model)
-    return ExpertZeroDataParallel(model, param_groups, make_optimizer, topology.group("dp"), topology.group("edp"),
-                                  topology.group("ep"), stage, bucket_mb=zero.bucket_mb,
-                                  offload_device=torch.device("cpu") if zero.offload else None,
-                                  norm_axes=norm_axes, param_axes=param_axes)
+    precision = precision or PrecisionConfig()
+    device = device or topology.device
+
+    def make_part(groups, shard, replicate, axes):
+        return build_engine(model, groups, make_optimizer, shard, replicate, stage, zero, precision, device,
+                            TransformerBlock, axes, param_axes, manual)
+
+    edp = topology.group("edp_cp" if topology.size("cp") > 1 else "edp")  # cp ranks see other tokens
+    experts = ((CommGroup.single("dp_shard", topology.ledger, topology.device), edp) if stage == 0 else
+               (edp, CommGroup.single("dp_replicate", topology.ledger, topology.device)))
+    return ExpertZeroDataParallel(model, param_groups, make_optimizer, make_part, dense_groups(topology, stage),
+                                  experts, topology.group("ep"), norm_axes=norm_axes)

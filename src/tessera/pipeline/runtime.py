@@ -107,14 +107,16 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
                    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], device: torch.device | str | None = None,
                    timeline: Timeline | None = None, on_step: Callable[[], None] | None = None,
                    prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
-                   seq_split: int = 1) -> Pipeline:
+                   seq_split: int = 1, activation_dtype: torch.dtype | None = None) -> Pipeline:
     """Partition ``model`` (a full reference Transformer, identical on every pp rank), keep this rank's
     stages, build and check the schedule, and return the runnable :class:`Pipeline` on ``device`` (default:
     the pp group's device, where the activations it sends must live).
 
     ``prepare_stage(stage) -> stage`` transforms each stage module before it runs (e.g. tensor
     parallelism); ``seq_split``: the activations between stages hold 1/seq_split of the sequence
-    (sequence parallelism), activation_BsD with s = S / seq_split."""
+    (sequence parallelism), activation_BsD with s = S / seq_split. ``activation_dtype``: the dtype of the
+    activations and gradients sent between stages (the receive buffers), None for the model's parameter
+    dtype (mixed precision passes the dtype its stages compute and exchange in)."""
     cfg.validate(pp.size, n_layers=len(model.layers))
     n_stages = pp.size * cfg.virtual_stages
     partition = partition_transformer(model, n_stages, cfg.partition, cfg.layers or None, cfg.layer_costs or None)
@@ -130,7 +132,7 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
     def activation_shape(x: torch.Tensor) -> tuple[int, int, int]:
         return (x.shape[0], x.shape[1] // seq_split, dim)  # activation_BsD
 
-    dtype = next(model.parameters()).dtype
+    dtype = activation_dtype or next(model.parameters()).dtype
     executor = PipelineExecutor(stages, schedule, pp, loss_fn, activation_shape, dtype, device, timeline,
                                 recompute=cfg.recompute, on_step=on_step, vertical_sync=cfg.vertical_sync)
     tied = bool(getattr(model.cfg, "tie_embeddings", False))

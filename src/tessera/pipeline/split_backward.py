@@ -49,10 +49,16 @@ class WeightGradStore:
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad += g
+    if p.grad_fn is not None:
+        # a view of a flat parameter (ZeRO-3 points the module at slices of its gathered unit): send the
+        # gradient through the view into the flat leaf, whose hooks accumulate it like any other
+        torch.autograd.backward(p, g)
+        return
+    with torch.no_grad():  # the .grad of a ZeRO-1/2 or DDP parameter may be a view into its flat
+        if p.grad is None:  # gradient bucket, which autograd forbids changing in place in grad mode
+            p.grad = g
+        else:
+            p.grad += g
 
 
 class _SplitLinear(torch.autograd.Function):

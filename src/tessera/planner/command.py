@@ -69,9 +69,11 @@ def _calibration(args) -> dict | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the ranked layouts (or JSON); ConfigError/NoLayoutFits propagate to the CLI's one-sentence handler."""
+    """Print the ranked layouts (or JSON), each with the ``tessera train`` flags that run it; only layouts
+    the trainer accepts are ranked. ConfigError/NoLayoutFits propagate to the CLI's one-sentence handler."""
     from tessera.planner.explain import as_json, explain
     from tessera.planner.search import search
+    from tessera.planner.trainable import TrainerRule, job_flags
 
     if args.gpus is None:
         args.gpus = 2 if (args.calibrate or args.calibration) else 8
@@ -83,20 +85,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be a positive integer, got {args.top}")
     gpu, model, calibration = _gpu_and_model(args)
-    batch = args.global_batch if args.global_batch is not None else 512
-    plan = search(model, gpu, args.gpus, batch, args.seq, precision=args.precision, optimizer=args.optimizer)
-    shown = plan.ranked[: args.top]
+    batch, seq = (args.global_batch if args.global_batch is not None else 512), args.seq or model.seq
+    rule = TrainerRule(job_flags(model, batch, seq, args.precision), batch)
+    plan = search(model, gpu, args.gpus, batch, seq, precision=args.precision, optimizer=args.optimizer,
+                  top=args.top, rule=rule)
     if args.json:
         print(json.dumps({"model": model.name, "gpu": gpu.name, "gpus": args.gpus, "global_batch": batch,
-                          "seq": args.seq or model.seq, "calibration": calibration,
-                          "considered": plan.considered, "fitting": len(plan.ranked),
-                          "layouts": [as_json(e) for e in shown]}, indent=2))
+                          "seq": seq, "calibration": calibration, "considered": plan.considered,
+                          "fitting": plan.fitting, "refused": len(plan.refused),
+                          "layouts": [{**as_json(e), "train_flags": rule.flags + rule.layout_flags(e.layout)}
+                                      for e in plan.ranked]}, indent=2))
         return 0
-    plan.ranked = shown
     n = model.num_params()
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     head = (f"{model.name} ({size} parameters) on {args.gpus} x {gpu.name}, "
-            f"global batch {batch} x {args.seq or model.seq} tokens, {args.precision} precision")
-    print(head + "\n" + explain(plan, args.gpus))
+            f"global batch {batch} x {seq} tokens, {args.precision} precision")
+    print(head + "\n" + explain(plan, args.gpus, flags=(rule.flags, [rule.layout_flags(e.layout) for e in plan.ranked])))
     return 0
-

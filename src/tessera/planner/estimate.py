@@ -65,6 +65,18 @@ def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
     return dense + spec.moe_fraction * tokens * (moe - elem * 4 * spec.ffn) / layout.tp
 
 
+def _model_states(n: float, layout, shard: int, precision: str, optimizer: str) -> dict:
+    """ZeRO's model-state bytes of ``n`` parameters sharded over ``shard`` ranks. Under a pipeline the
+    gradients accumulate whole over the step's micro-batches and are reduce-scattered once after the last
+    one (``tessera.train.pipeline_step``), so ZeRO-2/3 hold full gradients during the step, as ZeRO-1."""
+    states = model_state_bytes(n, zero_stage=layout.zero_stage, dp=shard, precision=precision, optimizer=optimizer)
+    if layout.pp > 1 and layout.zero_stage >= 2:
+        states["grads"] = model_state_bytes(n, zero_stage=1, dp=shard, precision=precision,
+                                            optimizer=optimizer)["grads"]
+        states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    return states
+
+
 def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, optimizer: str,
                  stage: int) -> tuple[dict, float]:
     """(device bytes by kind, host bytes) for one rank of pipeline stage ``stage`` (0 … pp−1). Ranks of
@@ -74,11 +86,9 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     elem = ELEM_BYTES[precision]
     shard = layout.dp * layout.cp  # cp ranks hold the same weights, so ZeRO shards over dp × cp
     dense, expert = _stage_params(spec, layout, first, last)
-    states = model_state_bytes(dense, zero_stage=layout.zero_stage, dp=shard, precision=precision,
-                               optimizer=optimizer)
+    states = _model_states(dense, layout, shard, precision, optimizer)
     if expert:
-        ex = model_state_bytes(expert, zero_stage=layout.zero_stage, dp=max(1, shard // layout.ep),
-                               precision=precision, optimizer=optimizer)
+        ex = _model_states(expert, layout, max(1, shard // layout.ep), precision, optimizer)
         states = {k: states[k] + ex[k] for k in states}
     host = 0.0
     if layout.offload:  # the host runs the update: optimizer states there, and in fp32 training (no

@@ -40,8 +40,22 @@ def breakdown(est) -> str:
             f"  time/step: {time}; total {total:.3f}s")
 
 
-def explain(plan, gpus: int, top: int = 3) -> str:
-    """The ranked table and the breakdowns of the first ``top`` choices."""
-    out = [table(plan.ranked, gpus), "", f"{plan.considered} layouts considered, {len(plan.ranked)} shown."]
+def train_flags(common: list, per_layout: list, gpus: int) -> str:
+    """The ``tessera train`` command of each ranked layout: the flags they share, then each one's own."""
+    launch = f"--nproc {gpus}" if gpus <= 8 else "under torchrun"
+    lines = [f"train flags ({gpus} ranks: {launch}; the common flags, then a layout's own):",
+             "tessera train " + " ".join(common)]
+    lines += [f"{f'#{i}':>5}  " + " ".join(flags) for i, flags in enumerate(per_layout, 1)]
+    return "\n".join(lines)
+
+
+def explain(plan, gpus: int, top: int = 3, flags: tuple | None = None) -> str:
+    """The ranked table, the ``tessera train`` flags of each layout (``flags``: (common, per layout)) and
+    the breakdowns of the first ``top`` choices."""
+    refused = f", {len(plan.refused)} faster ones refused by tessera train" if plan.refused else ""
+    out = [table(plan.ranked, gpus), "",
+           f"{plan.considered} layouts considered, {plan.fitting} fit{refused}, {len(plan.ranked)} shown."]
+    if flags is not None:
+        out += ["", train_flags(*flags, gpus)]
     out += ["", "top choices:"] + [breakdown(e) for e in plan.ranked[:top]]
     return "\n".join(out)

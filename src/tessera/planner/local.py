@@ -5,6 +5,7 @@ from __future__ import annotations
 from tessera.errors import ConfigError
 from tessera.planner.catalog import GpuSpec, from_model_config
 from tessera.planner.search import SearchSpace, search
+from tessera.planner.trainable import parallel_degrees
 
 # Orientation values for a small CPU box (a 100 MB gloo all-reduce on 2 ranks took 60–100 ms on the
 # 2-core machines this project is tested on); `tessera plan --calibrate` measures the real ones.
@@ -37,18 +38,14 @@ def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: fl
                    collective_sync_s=c.get("collective_sync_s", 0.0), layer_call_s=c.get("layer_call_s", 0.0))
 
 
-def choose_local_layout(model_cfg, world_size: int, global_batch: int, seq: int, *,
-                        micro_batch: int | None = None, calibration: dict | None = None,
-                        memory_bytes: float = 8 * 2**30, precision: str = "fp32",
-                        strategies: tuple = ("dp", "zero", "tp", "sp", "pp"), accept=None) -> dict:
-    """The fastest predicted layout of a tessera ``ModelConfig`` on ``world_size`` local ranks, as degrees.
-
-    ``strategies`` limits the search to what the trainer supports, and ``accept(degrees) -> bool`` (if
-    given) skips layouts the trainer cannot compose; the fastest accepted one is chosen. Returns a dict with the
-    ParallelConfig degrees (dp_replicate, dp_shard, pp, tp, cp, ep: ZeRO layouts put dp on dp_shard),
-    zero_stage, sequence_parallel, schedule, micro_batch_size, recompute and the predicted step_time_s.
-    Raises ConfigError when no layout divides the batch and NoLayoutFits when none fits.
-    """
+def rank_local_layouts(model_cfg, world_size: int, global_batch: int, seq: int, *,
+                       micro_batch: int | None = None, calibration: dict | None = None,
+                       memory_bytes: float = 8 * 2**30, precision: str = "fp32",
+                       strategies: tuple = ("dp", "zero", "tp", "sp", "pp"), rule=None, top: int | None = None):
+    """Every layout of a tessera ``ModelConfig`` on ``world_size`` local ranks that fits (and that
+    ``rule(layout) -> reason | None``, the trainer's validity rule, accepts), fastest first: a list of
+    Estimates. ``strategies`` limits the search. Raises ConfigError when no layout divides the batch and
+    NoLayoutFits when none fits or the rule accepts none."""
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1, got {world_size}")
     spec = from_model_config("local", model_cfg)
@@ -57,20 +54,19 @@ def choose_local_layout(model_cfg, world_size: int, global_batch: int, seq: int,
                         recompute=("none",), offload=False,
                         micro_batches=(micro_batch,) if micro_batch else (1, 2, 4, 8))
     gpu = local_gpu(world_size, calibration, memory_bytes)
-    ranked = search(spec, gpu, world_size, global_batch, seq, precision=precision, optimizer="adam",
-                    space=space, top=None if accept else 1).ranked
-    for best in ranked:
-        degrees = _degrees(best)
-        if accept is None or accept(degrees):
-            return degrees
-    raise ConfigError(f"none of the {len(ranked)} layouts that fit {world_size} local ranks can be trained "
-                      f"by this version; set the parallel degrees by hand")
+    return search(spec, gpu, world_size, global_batch, seq, precision=precision, optimizer="adam",
+                  space=space, top=top, rule=rule).ranked
 
 
-def _degrees(best) -> dict:
-    lay = best.layout
-    sharded = lay.zero_stage > 0
-    return {"dp_replicate": 1 if sharded else lay.dp, "dp_shard": lay.dp if sharded else 1, "pp": lay.pp,
-            "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "zero_stage": lay.zero_stage,
-            "sequence_parallel": lay.sp, "schedule": lay.schedule, "micro_batch_size": lay.micro_batch,
-            "recompute": lay.recompute, "step_time_s": best.step_time_s}
+def choose_local_layout(model_cfg, world_size: int, global_batch: int, seq: int, **kwargs) -> dict:
+    """The fastest layout of :func:`rank_local_layouts` (same arguments), as degrees: a dict with the
+    ParallelConfig degrees (dp_replicate, dp_shard, pp, tp, cp, ep: ZeRO layouts put dp on dp_shard),
+    zero_stage, sequence_parallel, schedule, micro_batch_size, recompute and the predicted step_time_s."""
+    best = rank_local_layouts(model_cfg, world_size, global_batch, seq, top=1, **kwargs)[0]
+    return as_degrees(best.layout, best.step_time_s)
+
+
+def as_degrees(layout, step_time_s: float | None = None) -> dict:
+    """``layout`` as the degrees dict of :func:`choose_local_layout`."""
+    return {**parallel_degrees(layout), "sequence_parallel": layout.sp, "schedule": layout.schedule,
+            "micro_batch_size": layout.micro_batch, "recompute": layout.recompute, "step_time_s": step_time_s}

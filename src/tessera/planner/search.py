@@ -1,9 +1,10 @@
-"""Search: enumerate the valid layouts of a model on a cluster, drop those over memory, rank by step time."""
+"""Search: enumerate the layouts of a model on a cluster, drop those over memory and (given the trainer's
+rule, tessera.planner.trainable) those ``tessera train`` refuses, rank the rest by step time."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.errors import ConfigError, UserError
 from tessera.planner.estimate import Estimate, estimate, memory_per_rank
@@ -39,9 +40,11 @@ class SearchSpace:
 
 @dataclass
 class Plan:
-    ranked: list  # Estimates that fit, fastest first
-    smallest: Estimate | None  # the layout with the least memory per rank, fitting or not
+    ranked: list  # Estimates that fit (and, given a rule, that the trainer runs), fastest first
+    smallest: Estimate | None  # the least memory per rank among ``ranked``; when nothing fits, the error names it
     considered: int  # layouts that divide the model, cluster and batch
+    fitting: int = 0  # of those, how many fit in memory (before the trainer's rule)
+    refused: list = field(default_factory=list)  # (Layout, reason): fitting layouts the rule refused while ranking
 
 
 def _divisors(n: int) -> list[int]:
@@ -102,31 +105,62 @@ def check_request(spec, gpu, gpus: int, global_batch: int, seq: int) -> None:
 
 
 def search(spec, gpu, gpus: int, global_batch: int, seq: int | None = None, *, precision: str = "mixed",
-           optimizer: str = "adam", space: SearchSpace | None = None, top: int | None = None) -> Plan:
-    """Rank every fitting layout by predicted step time. Raises ConfigError when the batch divides no
-    layout and NoLayoutFits when none fits in memory (naming what the smallest needs)."""
+           optimizer: str = "adam", space: SearchSpace | None = None, top: int | None = None,
+           rule=None) -> Plan:
+    """Rank every fitting layout by predicted step time. ``rule(layout) -> reason | None`` (the trainer's
+    validity rule, see tessera.planner.trainable) drops the layouts it refuses; it is asked in rank order
+    and only until ``top`` layouts are accepted. Raises ConfigError when the batch divides no layout and
+    NoLayoutFits when none fits in memory, or none that fits is one the rule accepts."""
     seq = seq or spec.seq
     check_request(spec, gpu, gpus, global_batch, seq)
-    fitting, smallest, considered = [], None, 0
-    for layout in enumerate_layouts(spec, gpus, global_batch, seq, gpu.gpus_per_node, space):
-        considered += 1
-        mem, _ = memory_per_rank(spec, layout, global_batch, seq, precision, optimizer)
-        fits = mem["total"] <= gpu.memory_bytes * gpu.usable_fraction
-        if fits or smallest is None or mem["total"] < smallest.memory_bytes["total"]:
-            est = estimate(spec, layout, gpu, global_batch, seq, precision, optimizer)  # time only when needed
-            if smallest is None or mem["total"] < smallest.memory_bytes["total"]:
-                smallest = est
-            if fits:
-                fitting.append(est)
-    if not considered:
+    limit = gpu.memory_bytes * gpu.usable_fraction
+    sized = [(memory_per_rank(spec, layout, global_batch, seq, precision, optimizer)[0]["total"], layout)
+             for layout in enumerate_layouts(spec, gpus, global_batch, seq, gpu.gpus_per_node, space)]
+    if not sized:
         raise ConfigError(
             f"the global batch of {global_batch} sequences cannot be split over any layout of {gpus} GPUs "
             f"for {spec.name}: choose a batch divisible by the data-parallel degree that is left after "
             f"tensor, pipeline and context parallelism")
+    fitting = [estimate(spec, layout, gpu, global_batch, seq, precision, optimizer)
+               for total, layout in sized if total <= limit]
     if not fitting:
-        need = smallest.memory_bytes["total"] / GB
+        smallest = _smallest(sized, rule)
+        need = memory_per_rank(spec, smallest, global_batch, seq, precision, optimizer)[0]["total"] / GB
         raise NoLayoutFits(
-            f"no layout fits: the smallest ({smallest.layout.describe()}) needs {need:.1f} GB per GPU and "
-            f"{gpu.name} has {gpu.memory_bytes * gpu.usable_fraction / GB:.1f} GB usable")
+            f"no layout fits: the smallest{' tessera train runs' if rule else ''} ({smallest.describe()}) "
+            f"needs {need:.1f} GB per GPU and {gpu.name} has {limit / GB:.1f} GB usable")
     fitting.sort(key=lambda e: (e.step_time_s, e.memory_bytes["total"]))
-    return Plan(fitting[:top] if top else fitting, smallest, considered)
+    ranked, refused = _accepted(fitting, rule, top)
+    if not ranked:
+        layout, reason = refused[0]
+        raise NoLayoutFits(f"none of the {len(fitting)} layouts that fit is one tessera train runs; the "
+                           f"fastest ({layout.describe()}) is refused: {reason}")
+    smallest = min(ranked, key=lambda e: e.memory_bytes["total"])
+    return Plan(ranked, smallest, len(sized), len(fitting), refused)
+
+
+def _accepted(ranked: list, rule, top: int | None) -> tuple[list, list]:
+    """The first ``top`` (all: None) estimates the rule accepts, and the (layout, reason) it refused."""
+    if rule is None:
+        return ranked[:top] if top else ranked, []
+    accepted, refused = [], []
+    for est in ranked:
+        reason = rule(est.layout)
+        if reason is None:
+            accepted.append(est)
+            if top and len(accepted) == top:
+                break
+        else:
+            refused.append((est.layout, reason))
+    return accepted, refused
+
+
+def _smallest(sized: list, rule):
+    """The least-memory layout of ``(bytes, layout)`` pairs that the rule accepts (any, without a rule)."""
+    ordered = sorted(sized, key=lambda pair: pair[0])
+    for _, layout in ordered:
+        if rule is None or rule(layout) is None:
+            return layout
+    reason = rule(ordered[0][1])
+    raise NoLayoutFits(f"none of the {len(sized)} layouts is one tessera train runs; the smallest "
+                       f"({ordered[0][1].describe()}) is refused: {reason}")

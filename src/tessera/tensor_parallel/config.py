@@ -16,7 +16,7 @@ class TensorParallelConfig:
     # Megatron sequence parallelism: norms and dropout run on a 1/tp slice of the sequence, and each
     # all-reduce at a region boundary becomes an all-gather + a reduce-scatter (same bytes, 1/tp activations).
     sequence_parallel: bool = False
-    # "1d" is Megatron's scheme (the one the trainer wires); "2d"/"2.5d"/"3d" are Colossal-AI's layers.
+    # "1d" is Megatron's scheme; "2d"/"2.5d"/"3d" are Colossal-AI's grids (tensor_parallel.nd, whole model).
     mode: str = "1d"
     # Depth d of the q×q×d grid of 2.5D tensor parallelism (ignored by the other modes).
     depth: int = 1

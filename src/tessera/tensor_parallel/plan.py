@@ -185,8 +185,8 @@ def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParalle
     cfg.validate(group.size, getattr(model, "cfg", None))
     if cfg.mode != "1d":
         raise ConfigError(
-            f"tensor_parallel.mode={cfg.mode} builds single blocks only (tessera.tensor_parallel.nd); "
-            "a whole Transformer is split with mode=1d."
+            f"apply_tensor_parallel is Megatron 1D; tensor_parallel.mode={cfg.mode} splits a whole Transformer "
+            "with tessera.tensor_parallel.nd.apply_nd_tensor_parallel."
         )
     if group.size == 1:
         return model

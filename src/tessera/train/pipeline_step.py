@@ -1,34 +1,45 @@
 """The trainer's adapter to pipeline parallelism: one optimizer step of a pipelined Transformer
-(pp × dp × tp, with ZeRO-1 over dp optionally).
+(pp × dp × tp × cp, with ZeRO and mixed precision over the data-parallel side).
 
 ``PipelineStep`` mirrors what ``tessera.train.step`` does for an unpipelined model, with the same token
 weighting (every micro-batch's summed token loss divided by the global token count over all micro-batches
-and data-parallel ranks), so a pipelined run computes the same losses and gradients as one process.
-Under tp each stage is split by Megatron 1D tensor parallelism (+SP) after the pipeline split, and the
-last stage's loss is vocabulary-parallel.
+and data-parallel ranks, dp × cp), so a pipelined run computes the same losses and gradients as one
+process. Each stage is prepared by ``tessera.train.pipeline_stage`` (tensor parallelism, ...) after the
+pipeline split; the last stage's loss is vocabulary-parallel under tp.
+
+The data-parallel side follows ``tessera.parallelize.engine_holds_optimizer``: with ZeRO (stage 1 or 2)
+or below-fp32 precision a ZeRO engine in manual mode holds the optimizer over fp32 master weights
+(stage 0: master weights only, replicated); otherwise plain fp32 DDP is the data-parallel reducer in
+manual mode; under ep the expert engines (dense gradients over dp, expert gradients over edp). Either way
+the schedule's many backwards accumulate gradients (ZeRO-3: in each unit's flat gradient) and they are
+reduced ONCE per step, after the last micro-batch's backward (ZeRO-2: one reduce-scatter per bucket of
+the accumulated gradients, then the full gradients are dropped). ZeRO-3's units are re-gathered for each
+micro-batch's forward and backward (``zero.reshard_after_forward``) or stay gathered through the step.
 
 Per step, on every rank (collectives in the same order everywhere)::
 
-    result = ps.forward_backward(batches)      # pipeline step, tied grads summed, dp reduction
-    finite = ps.unscale_gradients(1 / S)       # only with a loss scale S: skip the update unless finite
-    norm = ps.clip_grad_norm(max_norm)         # PipeDream async: the norm its in-schedule updates clipped
-    if not ps.steps_inside:                    # flush schedules and 2BW: the trainer updates
-        ps.step()                              # the optimizer, or ZeRO-1's sharded update + all-gather
+    result = ps.forward_backward(batches, loss_scale=S)  # pipeline step, tied grads summed, dp reduction
+    # flush schedules and 2BW, with an engine (ZeRO / mixed precision):
+    norm, finite = ps.engine.clip_grad_norm(max_norm, 1 / S); ps.engine.step() if finite
+    # ... without one (fp32 DDP):
+    finite = ps.unscale_gradients(1 / S); norm = ps.clip_grad_norm(max_norm); ps.step()
+    # PipeDream async: the updates happened inside the schedule (``ps.last_grad_norm``, ``ps.skipped_inside``)
     scheduler.step(); ps.zero_grad()
 
 Communication: forward and backward p2p on "pp" (executor.py; the pp group's ranks share a tp
-coordinate); tp collectives inside each stage; after the step, one exchange of the tied embedding
-gradient between the first and last pp rank, this stage's gradients summed over "dp" in buckets of
-``ddp.bucket_mb`` by the data-parallel reducer in manual mode (ZeRO-1: reduce-scattered in
-``zero.bucket_mb`` buckets, then the updated slices all-gathered), the loss broadcast from the
-last stage over "pp" and summed over "dp"; clipping (``tessera.grad_norm``) sums one float over "pp"
-and one over "tp" (and "dp" under ZeRO-1). Shapes: x_BS, y_BS token ids; activation_BsD between stages
-(s = S, or S/tp under SP).
+coordinate), in ``precision.dtype``; tp collectives inside each stage; after the step, one exchange of
+the tied embedding gradient between the first and last pp rank, this stage's gradients reduced over
+dp × cp once (DDP: all-reduced in ``ddp.bucket_mb`` buckets; ZeRO: reduce-scattered in ``zero.bucket_mb``
+buckets in ``precision.reduce_dtype``, the updated slices all-gathered after the step), the loss
+broadcast from the last stage over "pp" and summed over dp × cp; clipping (``tessera.grad_norm``) sums
+one float over "pp" and one over "tp" (and the shard group under ZeRO); an overflow check (loss scaling)
+spans the world. Shapes: x_BS, y_BS token ids; activation_BsD between stages (s = S, or S/tp under SP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from types import SimpleNamespace
 from typing import Iterator
@@ -41,7 +52,9 @@ from tessera.comm.group import CommGroup
 from tessera.data_parallel import AllReduce, DDPConfig, GradReducer, build_buckets
 from tessera.errors import ConfigError
 from tessera.grad_norm import clip_grad_norm
-from tessera.parallelize import norm_axes, sharded_axes
+from tessera.models.layers import TransformerBlock
+from tessera.moe import expert_parallelize, expert_zero
+from tessera.parallelize import data_parallel_group, engine_holds_optimizer, norm_axes, sharded_axes
 from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
 from tessera.precision import PrecisionConfig, unscale_
 from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
@@ -52,59 +65,85 @@ from tessera.train.strategies import loss_function
 from tessera.zero import ZeroConfig
 from tessera.zero.build import shard_model
 
+
 class PipelineStep:
     """This rank's stages of ``model`` (a seeded reference Transformer identical on every rank), run by the
-    schedule of ``cfg`` over the topology's "pp" group, replicated over its "dp" group.
+    schedule of ``cfg`` over the topology's "pp" group, replicated over its data-parallel ranks (dp × cp).
 
     The adapter owns its optimizer (``self.optimizer``, AdamW from ``optim_cfg`` over this rank's stage
-    parameters, as ZeRO engines own theirs): PipeDream async updates inside the schedule, after every
-    micro-batch's backward, so the optimizer must be reachable from the pipeline.
+    parameters, or the engine's over its master shards): PipeDream async updates inside the schedule,
+    after every micro-batch's backward, so the optimizer must be reachable from the pipeline. The other
+    keyword arguments are the job's config sections, handed to the stage preparer
+    (``tessera.train.pipeline_stage``) as one settings namespace.
     """
 
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
-                 optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None):
+                 optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None, precision=None,
+                 context_parallel=None, checkpointing=None, model_config=None, moe=None):
         self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
         self.topology = topology
+        self.precision = precision or PrecisionConfig()
         self.pp: CommGroup = topology.group("pp")
-        self.dp: CommGroup = topology.group("dp")
-        self.tp: CommGroup = topology.group("tp")
-        if self.pp.size * self.dp.size * self.tp.size != topology.world_size:
-            raise ConfigError(f"pipeline parallelism composes with data and tensor parallelism here, but pp="
-                              f"{self.pp.size} x dp={self.dp.size} x tp={self.tp.size} != "
+        # the ranks with different tokens and the same parameters: dp × cp ("dp" itself when cp = 1, so
+        # the communication ledger names its collectives as before)
+        self.dp: CommGroup = data_parallel_group(topology) if topology.size("cp") > 1 else topology.group("dp")
+        sizes = {a: topology.size(a) for a in ("pp", "dp", "tp", "cp")}
+        if math.prod(sizes.values()) != topology.world_size:
+            raise ConfigError("pipeline parallelism composes with data, tensor and context parallelism here, "
+                              f"but {' x '.join(f'{a}={n}' for a, n in sizes.items())} != "
                               f"{topology.world_size} ranks.")
         self._loss_parts = loss_function(topology)  # vocabulary-parallel under tp
         self.steps_inside = cfg.schedule == "pipedream"  # the schedule itself calls optimizer.step()
         self.timeline = Timeline(self.pp.rank, enabled=cfg.timeline)
         self._divisor = 1.0  # loss_fn divides each micro-batch's summed loss by this (the global tokens)
         self._sums: list[torch.Tensor] = []  # summed token loss per micro-batch, on the last stage's rank
-        settings = SimpleNamespace(tensor_parallel=tensor_parallel)
-        prepare = stage_preparer(topology, settings, lambda: self._loss_scale / self._divisor)
+        self._loss_scale = 1.0  # forward_backward's loss scale (the in-schedule updates divide it out)
+        settings = SimpleNamespace(tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+                                   checkpointing=checkpointing, precision=self.precision,
+                                   model=model_config if model_config is not None else model.cfg, moe=moe)
+        prepare = stage_preparer(topology, settings, self.loss_weight)
         self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
                                              on_step=self._on_step if self.steps_inside else None,
-                                             prepare_stage=prepare, seq_split=sequence_split(topology, settings))
+                                             prepare_stage=prepare, seq_split=sequence_split(topology, settings),
+                                             activation_dtype=self.precision.param_dtype)
         self.module = _rank_module(self.pipe)
         self._axes_of = self._param_axes()
         self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
-        self._loss_scale = 1.0  # forward_backward's loss scale (the in-schedule updates divide it out)
         self.skipped_inside = 0  # PipeDream async: in-schedule updates of the last batch skipped on inf/nan
         self.last_grad_norm = 0.0  # PipeDream async: the norm before the last in-schedule clipping
 
+    def loss_weight(self) -> float:
+        """What a stage's own loss terms (MoE auxiliary losses) are multiplied by before backward, as the
+        token loss is: the loss scale over the current step's global token count."""
+        return self._loss_scale / self._divisor
+
     def _data_parallel(self, zero: ZeroConfig, ddp: DDPConfig) -> None:
-        """The reduction of this stage's gradients over "dp", in manual mode (the schedule runs many
-        backwards; ``_reduce_grads`` reduces once per step): ZeRO-1's sharded engine, which replaces the
-        optimizer, or the data-parallel reducer's all-reduce (sum) in ``ddp.bucket_mb`` buckets, with
-        ``ddp.find_unused_parameters``. Both are ``tessera.data_parallel.reducer.GradReducer``."""
+        """The reduction of this stage's gradients over dp × cp, in manual mode (the schedule runs many
+        backwards; ``_reduce_grads`` reduces once per step). Under ``engine_holds_optimizer`` (ZeRO, or
+        below-fp32 precision with fp32 master weights) the ZeRO engine of ``shard_model``, which replaces
+        the optimizer (ZeRO-1/2: buckets of the data-parallel reducer, reduce-scattered; ZeRO-3: one unit
+        per layer, embedding and head, each unit's accumulated flat gradient reduce-scattered); else the
+        data-parallel reducer's all-reduce (sum) in ``ddp.bucket_mb`` buckets, with
+        ``ddp.find_unused_parameters``. Under ep (experts already split over "ep" by the stage preparer)
+        the expert engines: dense gradients over dp × cp, expert gradients over edp × cp."""
         self.engine = self.reducer = None
-        if self.topology.config.zero_stage == 1:
-            self.engine = shard_model(self.module, param_groups(self.module, self.optim_cfg),
-                                      optimizer_factory(self.optim_cfg), self.topology, 1, zero,
-                                      PrecisionConfig(), self.device,
-                                      norm_axes=norm_axes(self.topology, pipeline=True),
-                                      param_axes=self._axes_of, manual=True)
+        ep = self.topology.size("ep") > 1
+        if engine_holds_optimizer(self.topology.config, self.precision):
+            groups, make = param_groups(self.module, self.optim_cfg), optimizer_factory(self.optim_cfg)
+            axes, stage = norm_axes(self.topology, pipeline=True), self.topology.config.zero_stage
+            if ep:
+                self.engine = expert_zero(self.module, self.topology, groups, make, stage, zero, axes, self._axes_of,
+                                          precision=self.precision, device=self.device, manual=True)
+            else:  # ZeRO-3: a unit per layer, the embedding and the head
+                self.engine = shard_model(self.module, groups, make, self.topology, stage, zero, self.precision,
+                                          self.device, block_class=TransformerBlock, norm_axes=axes,
+                                          param_axes=self._axes_of, manual=True)
             self.optimizer = self.engine.optimizer
             return
         self.optimizer = build_optimizer(self.module, self.optim_cfg)
-        if self.dp.size > 1:
+        if ep:  # the experts are split already (the stage preparer); this picks dp(×cp) and edp(×cp)
+            self.reducer = expert_parallelize(self.module, self.topology, ddp, manual=True)
+        elif self.dp.size > 1:
             params = [p for p in self.parameters() if p.requires_grad]
             buckets = build_buckets(list(reversed(params)), int(ddp.bucket_mb * 2**20))
             # the buffers are dropped after each reduction (the gradients live on as views until the
@@ -157,7 +196,11 @@ class PipelineStep:
         self.timeline.clear()  # keep the last step only: write_timeline measures it
         tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
         with tracking:  # every micro-batch in flight at once on this rank counts
-            self.pipe.step(micro)
+            if self.pipe.tied and getattr(self.engine, "flats", None):  # ZeRO-3 (also under ep)
+                self.pipe.executor.step(micro)
+                self._sum_tied_flat_grads()
+            else:
+                self.pipe.step(micro)  # the schedule, then the tied copies' .grad summed
         if not self.steps_inside:
             self._reduce_grads()
         loss = self._broadcast_loss()
@@ -173,21 +216,44 @@ class PipelineStep:
         comm.broadcast(total, self.pp, src=last)
         return total
 
+    def _sum_tied_flat_grads(self) -> None:
+        """ZeRO-3: the stage modules hold views of their units' flat parameters, and gradients accumulate
+        in the flat gradient [P], not in a ``.grad``: sum the tied embedding's two copies there (the
+        first stage's embedding on pp rank 0, the last stage's head on rank pp-1; one exchange each way),
+        in stage order on both ranks so the copies stay bit-identical."""
+        mine = []
+        if 0 in self.pipe.stages:
+            mine.append(("tok_embeddings.weight", self.pp.size - 1))
+        if self.pipe.schedule.n_stages - 1 in self.pipe.stages:
+            mine.append(("output.weight", 0))
+        for name, peer in mine:
+            flat = next(f for f in self.engine.flats if name in f.names)
+            if flat.full.grad is None:  # no micro-batch reached it: its gradient is zeros
+                flat.full.grad = torch.zeros(flat.size, dtype=flat.full.dtype, device=flat.full.device)
+            i = flat.names.index(name)
+            g = flat.full.grad[flat.offsets[i]: flat.offsets[i] + flat.shapes[i].numel()]
+            other = torch.empty_like(g)
+            for h in comm.batch_isend_irecv([comm.P2POp("send", g.clone(), peer),
+                                             comm.P2POp("recv", other, peer)], self.pp):
+                h.wait()
+            g.copy_(g + other if self.pp.rank == 0 else other + g)
+
     def _reduce_grads(self) -> None:
-        """Sum this stage's gradients over "dp" in buckets (ZeRO-1: reduce-scatter each bucket, this rank
-        keeps its slice). A stage parameter no micro-batch reached counts as zeros, or, with
-        ``ddp.find_unused_parameters``, keeps ``grad = None`` when no dp rank has a gradient for it."""
+        """Reduce this stage's accumulated gradients over dp × cp in buckets, once (ZeRO: reduce-scatter
+        each bucket, this rank keeps its slice). A stage parameter no micro-batch reached counts as zeros,
+        or, with ``ddp.find_unused_parameters``, keeps ``grad = None`` when no rank has a gradient for it."""
         if self.engine is not None:
             self.engine.reduce_gradients()
         elif self.reducer is not None:
             self.reducer.reduce_gradients()
 
     def unscale_gradients(self, inv_scale: float) -> bool:
-        """Divide this stage's reduced gradients by the loss scale (``inv_scale`` = 1/S) and return whether
-        every rank's are finite (one flag all-reduced over the world group). With ``steps_inside`` the
-        in-schedule updates did that already: whether none of them was skipped (no communication). A step
-        with some updates skipped and the others applied is then reported as skipped (``skipped_at`` in
-        metrics.jsonl, and the scale is lowered once), although those other updates did happen."""
+        """Without an engine: divide this stage's reduced gradients by the loss scale (``inv_scale`` =
+        1/S) and return whether every rank's are finite (one flag all-reduced over the world group). With
+        ``steps_inside`` the in-schedule updates did that already: whether none of them was skipped (no
+        communication). A step with some updates skipped and the others applied is then reported as
+        skipped (``skipped_at`` in metrics.jsonl, and the scale is lowered once), although those other
+        updates did happen."""
         if self.steps_inside:
             return self.skipped_inside == 0
         return self._unscale(inv_scale)
@@ -197,9 +263,18 @@ class PipelineStep:
         return unscale_(grads, inv_scale, [self.topology.group("world")], self.device)
 
     def _on_step(self) -> None:
-        """PipeDream async: one update after every micro-batch's backward (the schedule's STEP action);
-        with a loss scale, an update whose gradients overflowed on any rank is skipped on every rank."""
+        """PipeDream async: one update after every micro-batch's backward (the schedule's STEP action),
+        through the engine when there is one; with a loss scale, an update whose gradients overflowed on
+        any rank is skipped on every rank."""
         self._reduce_grads()
+        if self.engine is not None:
+            norm, finite = self.engine.clip_grad_norm(self.optim_cfg.grad_clip, inv_scale=1.0 / self._loss_scale)
+            if finite:
+                self.last_grad_norm = norm
+                self.engine.step()
+            self.skipped_inside += not finite
+            self.engine.zero_grad()
+            return
         if self._loss_scale != 1.0 and not self._unscale(1.0 / self._loss_scale):
             self.skipped_inside += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -210,22 +285,21 @@ class PipelineStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the global L2 norm over every stage (squares summed over "pp"; the tied head's copy of
-        the embedding counted once) and return the norm before clipping. ``max_norm`` 0 only measures.
-        With ``steps_inside`` the updates are done and clipped already (by ``optim_cfg.grad_clip``): this
-        returns the last of those norms and communicates nothing (the same on every rank)."""
+        """Without an engine: clip by the global L2 norm over every stage (squares summed over "pp"; the
+        tied head's copy of the embedding counted once) and return the norm before clipping. ``max_norm``
+        0 only measures. With ``steps_inside`` the updates are done and clipped already (by
+        ``optim_cfg.grad_clip``): this returns the last of those norms and communicates nothing (the same
+        on every rank). An engine clips in ``engine.clip_grad_norm(max_norm, inv_scale)``."""
         if self.steps_inside:
             return self.last_grad_norm
-        if self.engine is not None:
-            return self.engine.clip_grad_norm(max_norm)[0]
         # the job-wide rule (``tessera.grad_norm``): stage parameters split over pp, tp-split weights over
         # tp too (``_param_axes``); one all-reduce per axis
         return clip_grad_norm(self.parameters(), norm_axes(self.topology, pipeline=True), max_norm,
                               axes_of=self._axes_of, device=self.device)
 
     def step(self) -> None:
-        """The optimizer step after ``clip_grad_norm`` (ZeRO-1: update the slices, all-gather over dp)."""
-        (self.engine or self.optimizer).step()
+        """The optimizer step after ``clip_grad_norm`` (an engine is stepped by the trainer)."""
+        self.optimizer.step()
 
     def zero_grad(self) -> None:
         if self.engine is not None:

@@ -20,7 +20,7 @@ from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
 from tessera.models import Transformer
 from tessera.grad_norm import clip_grad_norm
-from tessera.parallelize import data_parallel_group, is_sharded, norm_axes, parallelize, sharded_axes
+from tessera.parallelize import is_sharded, norm_axes, parallelize, sharded_axes
 from tessera.precision import LossScaler, unscale_
 from tessera.topology import Topology
 from tessera.checkpoint import prune, step_path
@@ -33,7 +33,7 @@ from tessera.train.metrics import MetricsWriter, finite
 from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
 from tessera.train.rundir import resolve_run_dir
 from tessera.train.step import evaluate, forward_backward
-from tessera.train.strategies import loss_function, shard_batch
+from tessera.train.strategies import loss_function, shard_step, tokens_group
 
 
 @dataclass
@@ -56,8 +56,6 @@ class Trainer:
         self.topology = Topology.build(cfg.parallel, self.ledger, device)
         self.world = self.topology.group("world")
         self.dp = self.topology.group("dp")  # data-parallel coordinate: which slice of the batch
-        self.tokens_group = data_parallel_group(self.topology)  # ranks holding different tokens: dp × cp
-        self.loss_fn = loss_function(self.topology)
         self.is_main = self.topology.rank == 0
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank (DDP also broadcasts)
         self.core = Transformer(cfg.model, cfg.moe).to(device)
@@ -67,10 +65,12 @@ class Trainer:
             from tessera.train.pipeline_step import PipelineStep
 
             self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
-                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero,
-                                     ddp=cfg.ddp)  # tp per stage; dp: ddp buckets, or ZeRO-1
+                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero, ddp=cfg.ddp,
+                                     precision=cfg.precision, context_parallel=cfg.context_parallel,
+                                     checkpointing=cfg.checkpointing, model_config=cfg.model,
+                                     moe=cfg.moe)  # the model-side strategies per stage; dp: ddp or ZeRO
             self.core = self.model = self.pipe.module
-            self.engine = self.pipe.engine  # ZeRO-1: stepped like any sharded engine (clip, step, zero_grad)
+            self.engine = self.pipe.engine  # ZeRO / master weights: stepped like any sharded engine
             self.optimizer = self.pipe.optimizer
         else:
             self.model = parallelize(self.core, self.topology, cfg.ddp, zero=cfg.zero, precision=cfg.precision,
@@ -82,6 +82,8 @@ class Trainer:
             # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
             self.engine = self.model if is_sharded(self.model) else None
             self.optimizer = self.engine.optimizer if self.engine else build_optimizer(self.core, cfg.optim)
+        self.tokens_group = tokens_group(self.topology, self.core)  # ranks holding different tokens: dp × cp (× nd)
+        self.loss_fn = loss_function(self.topology, self.core)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.memory = MemoryLedger(self.core, self.optimizer,
@@ -93,7 +95,7 @@ class Trainer:
         self.sampler = WindowSampler(len(self.corpus.train), d.seq_len, d.global_batch_size, d.micro_batch_size,
                                      self.dp.rank, self.dp.size, d.seed)
         self.eval_batches = [
-            [shard_batch(make_batch(self.corpus.val, ids, d.seq_len), self.topology) for ids in micro]
+            shard_step([make_batch(self.corpus.val, ids, d.seq_len) for ids in micro], self.topology, self.core)
             for micro in eval_windows(len(self.corpus.val), d.seq_len, d.global_batch_size, d.eval_batches,
                                       d.micro_batch_size, self.dp.rank, self.dp.size)
         ]
@@ -180,22 +182,20 @@ class Trainer:
         after the update, while gradients (and communication buckets) are still held."""
         synchronize(self.device)
         t0 = time.perf_counter()
-        batches = [shard_batch(make_batch(self.corpus.train, ids, self.cfg.data.seq_len), self.topology)
-                   for ids in self.sampler.next_step()]
+        batches = shard_step([make_batch(self.corpus.train, ids, self.cfg.data.seq_len)
+                              for ids in self.sampler.next_step()], self.topology, self.core)
         tracker = self.memory.track_activations if track else None
         if self.pipe is not None:
             result = self.pipe.forward_backward(batches, activation_tracker=tracker, loss_scale=self.scaler.scale)
         else:
             result = forward_backward(self.model, batches, self.tokens_group, self.device, activation_tracker=tracker,
                                       loss_scale=self.scaler.scale, loss_fn=self.loss_fn)
-        if self.engine is not None:
+        if self.pipe is not None:
+            grad_norm = self._pipeline_update()
+        elif self.engine is not None:
             grad_norm = self._engine_update()
         elif not self._unscaled():  # with a loss scale: inf/nan gradients on any rank skip the step everywhere
             grad_norm = None
-        elif self.pipe is not None:
-            grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
-            if not self.pipe.steps_inside:  # PipeDream updates inside the pipeline, after each backward
-                self.pipe.step()  # the optimizer, or ZeRO-1's sharded update + all-gather over dp
         else:
             # device given: a rank with no gradient still joins the norm's all-reduces
             grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
@@ -222,6 +222,20 @@ class Trainer:
             return None
         self.engine.step()
         return norm
+
+    def _pipeline_update(self) -> float | None:
+        """The pipeline's update: PipeDream async did it inside the schedule, after every backward (the
+        step counts as skipped if any of those was); otherwise like any other layout, through the engine
+        when one holds the optimizer. Returns the norm, or None when the step was skipped."""
+        if self.pipe.steps_inside:
+            return self.pipe.clip_grad_norm(0.0) if self._unscaled() else None
+        if self.engine is not None:
+            return self._engine_update()
+        if not self._unscaled():
+            return None
+        grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.pipe.step()
+        return grad_norm
 
     def _unscaled(self) -> bool:
         """Without a loss scale: True (nothing to undo). With one: divide the gradients by it (before the
@@ -267,7 +281,11 @@ class Trainer:
     def _log_train(self, step: int, interval: Interval, comm_stats) -> None:
         memory = self._memory_per_rank()
         moe = {}
-        if self.cfg.model.num_experts:
+        if self.cfg.model.num_experts and self.pipe is not None:  # every stage's layers, summed over pp
+            from tessera.train.pipeline_stage import pipeline_moe_metrics
+
+            moe = pipeline_moe_metrics(self.core, self.cfg.model, self.topology)
+        elif self.cfg.model.num_experts:
             from tessera.moe import moe_metrics
 
             moe = moe_metrics(self.model, self.dp)  # collective over dp: routing counters since the last log

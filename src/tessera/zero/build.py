@@ -44,25 +44,43 @@ def shard_model(model: nn.Module, param_groups: list[dict],
     Under context parallelism the cp ranks hold the same parameters and see different tokens, so they
     join the shard group (``dp_shard`` × ``cp``, or ``dp`` × ``cp``). ``norm_axes`` / ``param_axes``:
     the further axes some parameters are split on (tensor parallelism), for the clipping norm.
-    ``manual``: ZeRO-1/2 reduce only when ``engine.reduce_gradients()`` is called, never from backward
-    hooks (a pipeline schedule runs many backwards per step).
+    ``manual``: reduce only when ``engine.reduce_gradients()`` is called, never from backward hooks (a
+    pipeline schedule runs many backwards per step; ZeRO-3 then keeps each unit's full gradient until
+    then, and ``zero.reshard_after_forward`` chooses re-gathering per micro-batch or staying gathered).
     """
+    shard, replicate = dense_groups(topology, stage)
+    return build_engine(model, param_groups, make_optimizer, shard, replicate, stage, zero, precision, device,
+                        block_class, norm_axes, param_axes, manual)
+
+
+def dense_groups(topology: Topology, stage: int) -> tuple[CommGroup, CommGroup]:
+    """(shard, replicate) groups of parameters every data-parallel rank holds: ``dp_shard`` × ``dp_replicate``
+    for hybrid sharding, else the whole ``dp`` (× ``cp``) and no replicas; stage 0 shards nothing and
+    replicates over ``dp`` (× ``cp``)."""
+    cp = topology.size("cp") > 1
+    dp = topology.group("dp_cp" if cp else "dp")
+    if stage == 0:
+        return CommGroup.single("dp_shard", topology.ledger, topology.device), dp
+    if topology.size("dp_shard") == 1:  # no hybrid layout asked for: shard over every data-parallel rank
+        return dp, CommGroup.single("dp_replicate", topology.ledger, topology.device)
+    return topology.group("dp_shard_cp" if cp else "dp_shard"), topology.group("dp_replicate")
+
+
+def build_engine(model: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
+                 replicate: CommGroup, stage: int, zero: ZeroConfig, precision: PrecisionConfig,
+                 device: torch.device, block_class: type | None = None, norm_axes=None, param_axes=None,
+                 manual: bool = False) -> nn.Module:
+    """The engine of ``stage`` over the parameters of ``param_groups`` (a subset of ``model``'s, e.g. only
+    the experts), sharded over ``shard`` and replicated over ``replicate``; stage 0 is ZeRO-1's engine
+    over a shard group of one (fp32 master weights, gradients all-reduced over ``replicate``)."""
     offload = torch.device("cpu") if zero.offload else None
     dtypes = dict(param_dtype=precision.param_dtype, reduce_dtype=precision.grad_reduce_dtype,
                   offload_device=offload)
-    cp = topology.size("cp") > 1
-    shard, replicate = topology.group("dp_shard_cp" if cp else "dp_shard"), topology.group("dp_replicate")
-    if topology.size("dp_shard") == 1:  # no hybrid layout asked for: shard over every data-parallel rank
-        shard, replicate = (topology.group("dp_cp" if cp else "dp"),
-                            CommGroup.single("dp_replicate", topology.ledger, topology.device))
-    if stage == 0:
-        shard, replicate, stage = (CommGroup.single("dp_shard", topology.ledger, topology.device),
-                                   topology.group("dp_cp" if cp else "dp"), 1)
     extra = dict(norm_axes=norm_axes, param_axes=param_axes)
-    if stage in (1, 2):
-        return ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, stage,
+    if stage <= 2:
+        return ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, max(stage, 1),
                                 bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
     return FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
                                     wrap_policy(zero, block_class, model), device,
                                     reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
-                                    **dtypes, **extra)
+                                    manual=manual, **dtypes, **extra)

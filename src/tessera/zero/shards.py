@@ -63,7 +63,10 @@ class ShardedUpdate:
         self.check_groups = check_groups
         groups = [{"params": [s.master for s in shards if s.param_group == g], **opts}
                   for g, opts in enumerate(group_options)]
-        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+        groups = [g for g in groups if g["params"]]
+        # no shards (e.g. the expert part of a pipeline stage without MoE layers): no optimizer, yet the
+        # finiteness and norm collectives below still run, so every rank of the job issues them alike
+        self.optimizer = make_optimizer(groups) if groups else None
 
     @torch.no_grad()
     def prepare_grads(self, inv_scale: float) -> bool:

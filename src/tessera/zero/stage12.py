@@ -84,7 +84,7 @@ class ZeroDataParallel(nn.Module):
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.update = ShardedUpdate([b.shard for b in self.buckets], options, make_optimizer, shard,
                                     [shard, replicate, *(norm_axes or {}).values()],
-                                    self.buckets[0].flat.device, norm_axes)
+                                    self.buckets[0].flat.device if self.buckets else shard.device, norm_axes)
         self.optimizer = self.update.optimizer
         self.reduction = ZeroReduction(stage, SliceReduction(shard, replicate, self.reduce_dtype),
                                        {b.grads: b.shard for b in self.buckets})
@@ -161,6 +161,13 @@ class ZeroDataParallel(nn.Module):
         out["params"] = [b.flat for b in self.buckets]
         out["grads"] = [b.grads.buffer for b in self.buckets] + out["grads"]
         return out
+
+    def flat_shards(self) -> list[tuple[torch.Tensor, int, list[tuple[str, tuple, int]]]]:
+        """Per bucket: (fp32 master slice [n], this rank's index in the shard group, [(parameter name in
+        ``module``, shape, offset in the bucket)]) — what a checkpoint cuts into per-parameter pieces."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [(b.shard.master, self.shard_group.rank,
+                 [(names[id(p)], tuple(p.shape), o) for p, o in zip(b.params, b.offsets)]) for b in self.buckets]
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
         """id(parameter) → its full value (every rank holds them all in ZeRO-1/2)."""

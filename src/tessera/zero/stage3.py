@@ -16,6 +16,17 @@ parameters and gradient freed, the moment that unit's backward ends, in the orde
 the units; holding it until every earlier-indexed unit is done would keep full parameters and
 gradients alive, which is what ZeRO-3 exists to avoid. There is no ``no_sync`` (every backward reduces).
 
+Manual mode (``manual=True``, for a pipeline: many forwards and backwards per step on sub-modules of the
+wrapped module, which itself is never called): no reduction from backward; each unit's full gradient
+[P] accumulates in ``full.grad`` over the step's backwards, and :meth:`reduce_gradients` reduce-scatters
+every flat once (then the replica all-reduce) and frees the full gradients and parameters. With
+``reshard_after_forward`` a unit is gathered for every micro-batch's forward and again for its backward
+(2·m all-gathers per flat per step for m micro-batches); without, it stays gathered from first use until
+``reduce_gradients`` (1 per flat per step; the full parameters of every unit held through the step).
+The root unit's forward never runs, so its parameters (e.g. a pipeline's final norm) are gathered by a
+pre-forward hook on each module that owns one, and stay gathered until ``reduce_gradients``. No
+prefetch: the schedule, not the module order, decides which unit runs next.
+
 Works with activation checkpointing: a recomputed forward runs the pre-forward hook again, which
 finds the unit already gathered for its backward and does not free it afterwards.
 """
@@ -76,14 +87,15 @@ class FullyShardedDataParallel(nn.Module):
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
                  offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
-                 param_axes=None):
-        """``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath)."""
+                 param_axes=None, manual: bool = False):
+        """``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath).
+        ``manual``: reduce only in :meth:`reduce_gradients` (see the module docstring)."""
         super().__init__()
-        self.module = module
+        self.module, self.manual = module, manual
         self.shard_group, self.replicate_group = shard, replicate
         self.reduce_dtype = reduce_dtype or param_dtype
         self.reduction = SliceReduction(shard, replicate, self.reduce_dtype)
-        self.prefetch = prefetch
+        self.prefetch = prefetch and not manual
         group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
         names = named_params_by_id(module)
         modules = select_units(module, policy)
@@ -108,6 +120,9 @@ class FullyShardedDataParallel(nn.Module):
             m.register_forward_hook(lambda mod, args, out, u=unit: self._post_forward(u, out))
             for f in flats:
                 f.full.register_post_accumulate_grad_hook(lambda t, u=unit, f=f: self._post_backward(u, f))
+        if manual:  # the root is never called: gather it wherever its parameters are used
+            for owner in {id(o): o for f in self.units[0].flats for locs in f.locations for o, _ in locs}.values():
+                owner.register_forward_pre_hook(lambda mod, args: self._use_root())
         self.order: list[Unit] = []  # forward order, recorded on the first forward
         self._pending: list = []  # (flat, pending reduction) in launch order
         self._queued = False
@@ -140,6 +155,11 @@ class FullyShardedDataParallel(nn.Module):
             unit.reshard()
         return out
 
+    def _use_root(self) -> None:
+        root = self.units[0]
+        root.gather()
+        root.use_views()
+
     # ---- backward --------------------------------------------------------------------------------
     def before_backward(self, unit: Unit) -> None:
         if not self._queued:
@@ -156,6 +176,10 @@ class FullyShardedDataParallel(nn.Module):
                 self.order[i - 1].gather(async_op=True)
 
     def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
+        if self.manual:  # the gradient stays in full.grad, accumulating until reduce_gradients
+            if unit.reshard_after_forward:
+                flat.reshard()
+            return
         grad, flat.full.grad = flat.full.grad, None
         flat.reduced = True
         self._pending.append((flat, flat.launch_reduce(grad, self.reduction)))
@@ -171,7 +195,15 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _finish_backward(self) -> None:
         """Reduce flat params whose gradient never arrived (as zeros, so every rank issues the same
-        calls), wait for the reduce-scatters in launch order, all-reduce across replicas, keep slices."""
+        calls), wait for the reduce-scatters in launch order, all-reduce across replicas, keep slices.
+        Manual mode: only end the pass (free what ``reshard_after_forward`` frees; no reduction)."""
+        if self.manual:
+            for u in self.units:
+                u.in_backward = False
+                if u.reshard_after_forward:
+                    u.reshard()
+            self._queued = False
+            return
         for f in self.flats:
             if not f.reduced:
                 self._pending.append((f, f.launch_reduce(None, self.reduction)))
@@ -185,6 +217,25 @@ class FullyShardedDataParallel(nn.Module):
             u.reshard()
         self._queued = False
 
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Manual mode, once per step after the last backward: reduce-scatter every flat's accumulated
+        gradient [P] (zeros where none arrived) in one fixed order on every rank, keep this rank's slice
+        [P/N], free the full gradients and every unit's gathered parameters (the root's too)."""
+        if not self.manual:
+            raise RuntimeError("reduce_gradients is for manual mode; otherwise every backward reduces")
+        for f in self.flats:
+            grad, f.full.grad = f.full.grad, None
+            self._pending.append((f, f.launch_reduce(grad, self.reduction)))
+            while len(self._pending) > 1:  # one reduce-scatter in flight while the next is launched
+                self._complete(*self._pending.pop(0))
+        for pending in self._pending:
+            self._complete(*pending)
+        self._pending.clear()
+        for u in self.units:
+            u.in_backward = False
+            u.reshard()
+
     # ---- the step ------------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, inv_scale: float = 1.0) -> tuple[float, bool]:
         finite = self.update.prepare_grads(inv_scale)
@@ -194,9 +245,13 @@ class FullyShardedDataParallel(nn.Module):
     def step(self) -> None:
         """Update this rank's slices (no communication: the next forward gathers the new values)."""
         self.update.step()
+        self.gather_params()
 
     def gather_params(self) -> None:
-        """Nothing to do: every forward gathers the current slices."""
+        """After the slices changed: free every gathered copy (one kept since an evaluation holds the old
+        values); every forward gathers the current slices."""
+        for u in self.units:
+            u.reshard()
 
     def zero_grad(self) -> None:
         self.update.zero_grad()
@@ -204,7 +259,14 @@ class FullyShardedDataParallel(nn.Module):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = self.update.tensors()
         out["params"] = out["params"] + [f.full for f in self.flats]  # gathered storage counts while held
+        out["grads"] = out["grads"] + [f.full.grad for f in self.flats if f.full.grad is not None]  # manual
         return out
+
+    def flat_shards(self) -> list[tuple[torch.Tensor, int, list[tuple[str, tuple, int]]]]:
+        """Per flat parameter: (fp32 master slice [n], this rank's index in the shard group, [(parameter
+        name in ``module``, shape, offset)]), as ``ZeroDataParallel.flat_shards``."""
+        return [(f.shard.master, f.group_shard.rank, list(zip(f.names, map(tuple, f.shapes), f.offsets)))
+                for f in self.flats]
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Qualified name → full parameter value (collective: every rank must call it)."""

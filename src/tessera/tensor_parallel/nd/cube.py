@@ -51,6 +51,13 @@ class Linear3D(nn.Module):
             layer.weight.copy_(block.chunk(q, dim=0)[weight.rank])
         return layer.to(linear.weight.device)
 
+    def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(single-process shape [O, I], offsets in it) of this rank's weight of ``shape``, for checkpoints."""
+        rows, cols = shape
+        q = self.gather.size
+        return (self.out_features, self.in_features), ((self.gather.rank * q + self.weight_axis.rank) * rows,
+                                                       self.reduce.rank * cols)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_full = gather_seq(x, self.gather, dim=0)  # [R/q, ..., I/q]
         w_full = gather_seq(self.weight, self.weight_axis, dim=0)  # [O/q, I/q]

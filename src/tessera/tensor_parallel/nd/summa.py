@@ -8,7 +8,9 @@ Forward, for k = 0..q-1 (SUMMA): broadcast X_ik along the row (from column k) an
 (from row k); Y_ij += X_ik A_jkᵀ. Per layer: q broadcasts of T/(dq)·I/q and q of O/q·I/q elements.
 Backward, for k = 0..q-1: broadcast A_jk along the column, reduce dY_ij A_jk along the row to column k
 (= dX_ik); broadcast X_ik along the row, reduce dY_ijᵀ X_ik along the column to row k (= dA_jk). Under 2.5D
-the weight gradient is then all-reduced over the d depth layers (each saw 1/d of the tokens).
+the weight gradient is then all-reduced over the d depth layers (each saw 1/d of the tokens), or, with
+``shard_replicas``, each depth layer holds 1/d of the block's rows, all-gathered over depth in forward and
+reduce-scattered in backward (``replicas.py``: the same bytes, and each weight element held once).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.comm import collectives as C
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.grid import Grid2D
+from tessera.tensor_parallel.nd.replicas import local_rows, row_offset, whole_block
 
 
 def _bcast(t: torch.Tensor, group, src: int) -> torch.Tensor:
@@ -60,28 +62,36 @@ class _Summa(torch.autograd.Function):
 
 class Linear2D(nn.Module):
     """A linear layer on a 2D / 2.5D grid (no bias). Input [..., I/q] → output [..., O/q], tokens split
-    over depth × rows. Communication: see the module docstring; the 2.5D depth all-reduce of the weight
-    gradient comes from ``copy_to`` on the weight over the depth group."""
+    over depth × rows. Communication: see the module docstring; the 2.5D depth reduction of the weight
+    gradient comes from ``whole_block`` over the depth group (``shard_replicas``: see ``replicas.py``)."""
 
-    def __init__(self, in_features: int, out_features: int, grid: Grid2D):
+    def __init__(self, in_features: int, out_features: int, grid: Grid2D, shard_replicas: bool = False):
         super().__init__()
-        q = grid.q
-        if in_features % q or out_features % q:
-            raise ValueError(f"a {in_features}→{out_features} layer cannot be split over a {q}×{q} grid")
+        q, held_by = grid.q, grid.d if shard_replicas else 1  # a block [O/q, I/q] split by rows over depth
+        if in_features % q or out_features % (q * held_by):
+            raise ValueError(f"a {in_features}→{out_features} layer cannot be split over a {q}×{q}×{grid.d} grid")
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // q, in_features // q)))
+        self.replicas, self.shard_replicas = (grid.depth,), shard_replicas
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // (q * held_by), in_features // q)))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, grid: Grid2D) -> Linear2D:
+    def from_linear(cls, linear: nn.Linear, grid: Grid2D, shard_replicas: bool = False) -> Linear2D:
         if linear.bias is not None:
             raise ValueError("Linear2D has no bias; the reference model's linears have none")
-        layer = cls(linear.in_features, linear.out_features, grid)
+        layer = cls(linear.in_features, linear.out_features, grid, shard_replicas)
         with torch.no_grad():
             block = linear.weight.chunk(grid.q, dim=0)[grid.j].chunk(grid.q, dim=1)[grid.i]
-            layer.weight.copy_(block)
+            layer.weight.copy_(local_rows(block, layer.replicas, shard_replicas))
         return layer.to(linear.weight.device)
 
+    def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(single-process shape [O, I], offsets in it) of this rank's weight of ``shape``, for checkpoints."""
+        q, (rows, cols) = self.grid.q, shape
+        block_rows = self.out_features // q
+        start = self.grid.j * block_rows + row_offset(rows, self.replicas, self.shard_replicas)
+        return (self.out_features, self.in_features), (start, self.grid.i * cols)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = comm.copy_to(self.weight, self.grid.depth)  # 2.5D: weight grads summed over depth layers
+        w = whole_block(self.weight, self.replicas, self.shard_replicas)  # [O/q, I/q]
         y_TO = _Summa.apply(x.reshape(-1, x.shape[-1]), w, self.grid)
         return y_TO.view(*x.shape[:-1], -1)

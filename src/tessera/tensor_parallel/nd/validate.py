@@ -1,0 +1,78 @@
+"""What a job with ``tensor_parallel.mode`` 2d / 2.5d / 3d needs, checked before any rank starts.
+
+The grid must fit the tp ranks (q×q, q×q×d, q×q×q) and every weight must cut into equal blocks (weights
+are split into q output × q input blocks, 3D output blocks once more by q; a block shared by several
+ranks is held once, split by rows over them: ``replicas.py``). Each failure is one sentence.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tessera.errors import ConfigError
+
+
+def grid_sides(mode: str, tp: int, depth: int) -> tuple[int, int]:
+    """(q, d) of the grid over ``tp`` ranks: q×q×d (2D: d = 1) or, for 3D, q×q×q (d = q)."""
+    if mode == "3d":
+        q = round(tp ** (1 / 3))
+        if q**3 != tp:
+            raise ConfigError(f"tensor_parallel.mode=3d lays the tp ranks out as a q×q×q cube, so parallel.tp "
+                              f"must be a cube (8, 27, 64, …), got tp={tp}.")
+        return q, q
+    d = depth if mode == "2.5d" else 1
+    q = math.isqrt(tp // d) if tp % d == 0 else 0
+    if q < 1 or q * q * d != tp:
+        need = "q×q×tensor_parallel.depth" if mode == "2.5d" else "a square q×q (4, 9, 16, …)"
+        raise ConfigError(f"tensor_parallel.mode={mode} lays the tp ranks out as {need}, which parallel.tp={tp}"
+                          + (f" with depth={depth}" if mode == "2.5d" else "") + " is not.")
+    return q, d
+
+
+def _divisors(model, mode: str, q: int, d: int) -> list[tuple[str, int, int]]:
+    """(model field, its value, what must divide it) for every weight block of the grid layout."""
+    kv_dim = model.n_kv_heads * model.head_dim
+    rows = q * q if mode == "3d" else q * d  # an output dimension splits into q blocks, held once over d
+    return [("n_heads", model.n_heads, q), ("n_kv_heads", model.n_kv_heads, q),
+            ("dim", model.dim, q * q * d),  # a norm weight's D/q block held once over q·d (3D: q²) ranks
+            ("n_kv_heads×head_dim", kv_dim, rows), ("ffn_hidden_dim", model.ffn_hidden_dim, rows),
+            ("vocab_size", model.vocab_size, rows)]
+
+
+def _refusals(cfg, par) -> list[tuple[bool, str]]:
+    """(refused, the sentence's reason and fix) of each pairing the grid layouts do not train."""
+    m = cfg.model
+    return [
+        (cfg.tensor_parallel.sequence_parallel, "sequence parallelism splits the activations 1D tensor "
+         "parallelism replicates, and the grid layouts replicate none (each rank already holds a batch × "
+         "feature block of every activation); set tensor_parallel.sequence_parallel=false"),
+        (par.pp > 1, "pipeline stages are built with 1D tensor parallelism and exchange whole [B, S, D] "
+         "activations, not grid blocks; set parallel.pp=1 or tensor_parallel.mode=1d"),
+        (par.cp > 1, "the grid layouts keep each sample's whole sequence on a rank (its attention core is "
+         "local), which context parallelism splits; set parallel.cp=1 or tensor_parallel.mode=1d"),
+        (m.num_experts > 0 or par.ep > 1, "a mixture-of-experts feed-forward routes whole tokens, while a "
+         "grid rank holds D/q features of each; set model.num_experts=0 or tensor_parallel.mode=1d"),
+        (m.dropout > 0, "the grid layers have no dropout (no random streams agreed over the ranks holding "
+         "one activation block); set model.dropout=0 or tensor_parallel.mode=1d"),
+        (m.tie_embeddings, "a rank's embedding block and output-head block are different blocks of the "
+         "shared table (2D: transposed), so one tensor cannot be both; set model.tie_embeddings=false"),
+        (cfg.tensor_parallel.recompute_core_attention, "selective recomputation of the attention core is a "
+         "1D option; use checkpointing.mode instead"),
+    ]
+
+
+def validate_nd(cfg, par) -> None:
+    """Raise ConfigError (one sentence) when the resolved layout ``par`` with ``cfg.tensor_parallel.mode``
+    2d / 2.5d / 3d cannot train ``cfg.model``; nothing for 1D or tp = 1."""
+    mode = cfg.tensor_parallel.mode
+    if par.tp == 1 or mode == "1d":
+        return
+    q, d = grid_sides(mode, par.tp, cfg.tensor_parallel.depth)
+    for refused, why in _refusals(cfg, par):
+        if refused:
+            raise ConfigError(f"tensor_parallel.mode={mode} cannot be combined here: {why}.")
+    grid = f"{q}×{q}×{d} cube" if mode == "3d" else (f"{q}×{q}×{d} grid" if d > 1 else f"{q}×{q} grid")
+    for field, value, k in _divisors(cfg.model, mode, q, d):
+        if value % k:
+            raise ConfigError(f"tensor_parallel.mode={mode} on a {grid} needs the model's {field} ({value}) "
+                              f"to be divisible by {k}, so every rank holds an equal block of each weight.")
