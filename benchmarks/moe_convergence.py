@@ -92,7 +92,7 @@ def run(label: str, args) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        m = moe_metrics(model, single)
+        m = moe_metrics(model, [single])
         rows.append({"step": step, "loss": float(ce.detach()) / n, **m})
         if step % 20 == 0:
             load = m["moe_load_per_layer"]

@@ -4,8 +4,9 @@ Both precisions run the same job through the CLI (the demo's model, data, seed a
 after the other, interleaved A B A B over ``--rounds`` rounds so a shared machine's noise hits both
 alike. A run's step time is the median over its logged intervals after the first (warm-up) of
 tokens per step / tokens per second. The ratio reported is the median over rounds of bf16 / fp32, with
-its range. On a CPU without bf16 matrix units bf16 is expected to be slower (the arithmetic is emulated
-and the fp32 master weights add a copy); on GPUs the same command measures the speed-up.
+its range. bf16 halves the bytes of every activation, gradient and message and adds the fp32 master
+copy's update; what that nets depends on the machine (its bf16 matrix units, memory bandwidth), so it is
+measured, here and on a GPU with the same command.
 
     python benchmarks/precision.py                 # 3 rounds of 12 steps each, writes docs/BENCHMARKS.md
     python benchmarks/precision.py --rounds 1 --steps 6 --no-write

@@ -73,7 +73,7 @@ def train(model, inner, dp: CommGroup, ep: CommGroup, rank: int, world: int, acc
             sums += torch.stack([ce.detach().double(), s.detach().double()])
         out["ce"].append(float(dp_sum(sums)[0] / total_tokens))
         out["total"].append(float(sums[1] / total_tokens))
-        out["metrics"].append(moe_metrics(model, dp))
+        out["metrics"].append(moe_metrics(model, [dp]))
         if step == 0:
             out["grads"] = global_names(inner, {n: p.grad.clone() for n, p in inner.named_parameters()})
             experts = {id(p) for p in expert_parameters(inner)}  # split over ep; dense weights replicated

@@ -91,15 +91,12 @@ def moe_metrics_worker(rank, world_size, args):
     import torch
 
     from tessera.moe import moe_metrics
-    from tessera.train.pipeline_stage import pipeline_moe_metrics
     from tessera.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, args), torch.device("cpu"))
     try:
         trainer._train_step(track=False)
-        if trainer.pipe is not None:
-            return pipeline_moe_metrics(trainer.model, trainer.cfg.model, trainer.topology)
-        return moe_metrics(trainer.model, trainer.dp)
+        return moe_metrics(trainer.core, [trainer.topology.group("pp"), trainer.tokens_group], trainer.cfg.model)
     finally:
         trainer.close()
 

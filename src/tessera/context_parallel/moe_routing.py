@@ -36,7 +36,8 @@ class ContextParallelRouter(Router):
     """A :class:`Router` whose routing group is the micro-batch spread over the ``cp`` ranks.
 
     Built from the single-device router (the ``gate`` by reference, so parameter names stay). ``cp`` is
-    also read by ``tessera.moe.moe_metrics``: routing counters are per-rank shares, summed over cp too.
+    the context-parallel group; ``tessera.moe.moe_metrics`` sums the routing counters (per-rank shares)
+    over dp × cp.
     """
 
     def __init__(self, router: Router, cp: CommGroup):

@@ -3,7 +3,7 @@
 ``apply_expert_parallel(model, ep)`` shards every MoE layer's experts over the ``ep`` group (tokens
 travel by all-to-all); ``ExpertDataParallel(model, dp, edp)`` reduces dense gradients over ``dp`` and
 expert gradients over ``edp`` (``ExpertZeroDataParallel``: the same with ZeRO-1/2/3 sharding or fp32 master weights);
-``moe_metrics(model, dp)`` gives the per-step routing metrics.
+``moe_metrics(model, groups)`` gives the per-step routing metrics.
 """
 
 from tessera.moe.all_to_all import all_to_all, exchange_counts

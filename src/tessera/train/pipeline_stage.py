@@ -20,7 +20,6 @@ Interface used by ``PipelineStep``::
 
     prepare = stage_preparer(topology, settings, loss_weight)   # prepare(stage) -> stage
     split = sequence_split(topology, settings)                   # activation_BsD between stages: s = S/split
-    metrics = pipeline_moe_metrics(module, model_cfg, topology)  # every rank, per logged step: all stages
 
 ``settings`` carries the job's config sections (``tensor_parallel``, ``context_parallel``, ``checkpointing``,
 ``moe``, ...), read with defaults; ``loss_weight()`` returns the factor (loss scale / global token count of
@@ -36,10 +35,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.context_parallel import zigzag_positions
-from tessera.models.moe import collect_local_stats, format_stats, moe_layers, moe_loss_sum
-from tessera.parallelize import data_parallel_group, parallelize_model_side
+from tessera.models.moe import moe_layers, moe_loss_sum
+from tessera.parallelize import parallelize_model_side
 
 
 def stage_preparer(topology, settings, loss_weight: Callable[[], float] | None = None):
@@ -68,26 +66,6 @@ def sequence_split(topology, settings) -> int:
     cfg = getattr(settings, "tensor_parallel", None)
     tp = topology.size("tp")
     return tp if (cfg is not None and cfg.sequence_parallel and tp > 1) else 1
-
-
-def pipeline_moe_metrics(module: nn.Module, model_cfg, topology) -> dict:
-    """The routing metrics of every stage's MoE layers, as one process reports them for the whole model
-    (``tessera.moe.moe_metrics``): call once per logged step on every rank (it all-reduces). ``module``
-    holds this rank's stages (``layers`` keyed by the model's block index); each rank puts its layers'
-    counters [2E + 5] at their rows of a [MoE layers, 2E + 5] table, which is summed over "pp" (each layer
-    lives on one pp rank) and over the ranks holding different tokens (dp × cp); tp ranks count the same
-    tokens, so not over tp. {} for a dense model."""
-    ids = [i for i in range(model_cfg.n_layers) if model_cfg.is_moe_layer(i)]
-    if not ids:
-        return {}
-    pp = topology.group("pp")
-    values_LX = torch.zeros(len(ids), 2 * model_cfg.num_experts + 5, dtype=torch.float64, device=pp.device)
-    for row, i in enumerate(ids):
-        if str(i) in module.layers:
-            values_LX[row] = collect_local_stats(module.layers[str(i)])[0].to(pp.device)  # and resets them
-    comm.all_reduce(values_LX, pp)  # float64 counters: exact sums
-    comm.all_reduce(values_LX, data_parallel_group(topology))
-    return format_stats(values_LX, model_cfg.num_experts)
 
 
 def _positions_hook(topology, split: int):

@@ -281,14 +281,11 @@ class Trainer:
     def _log_train(self, step: int, interval: Interval, comm_stats) -> None:
         memory = self._memory_per_rank()
         moe = {}
-        if self.cfg.model.num_experts and self.pipe is not None:  # every stage's layers, summed over pp
-            from tessera.train.pipeline_stage import pipeline_moe_metrics
-
-            moe = pipeline_moe_metrics(self.core, self.cfg.model, self.topology)
-        elif self.cfg.model.num_experts:
+        if self.cfg.model.num_experts:
             from tessera.moe import moe_metrics
 
-            moe = moe_metrics(self.model, self.dp)  # collective over dp: routing counters since the last log
+            # collective (pp, dp × cp): every stage's routing counters since the last log
+            moe = moe_metrics(self.core, [self.topology.group("pp"), self.tokens_group], self.cfg.model)
         if not self.metrics:
             return
         per_step = {key: {field: value / interval.steps for field, value in stat.items()}
