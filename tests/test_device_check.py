@@ -75,6 +75,13 @@ LAYOUTS = {  # name: (ranks, settings)
     "ep-moe": (2, [*MOE, "--parallel.ep=2"]),
     "ep-moe-zero1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero_stage=1"]),
     "dp-moe": (2, MOE),
+    # issue 15's compositions: the pipeline's engines in manual mode, routing under cp, expert ZeRO-3
+    "pp-bf16": (2, [*PP, "--pipeline.schedule=1f1b", "--precision.dtype=bf16"]),
+    "pp-zero3-tied": (2, [*PP, "--pipeline.schedule=1f1b", "--parallel.zero_stage=3", "--model.tie_embeddings=true"]),
+    "pp-cp": (4, [*PP, "--pipeline.schedule=1f1b", "--parallel.cp=2"]),
+    "pp-ep-moe": (4, [*PP, "--pipeline.schedule=1f1b", *MOE, "--parallel.ep=2"]),
+    "cp-moe": (2, [*MOE, "--parallel.cp=2"]),
+    "ep-moe-zero3": (2, [*MOE, "--parallel.ep=2", "--parallel.zero_stage=3"]),
 }
 
 
