@@ -17,11 +17,10 @@ import itertools
 
 import pytest
 
-from tessera.launch import run_rank
 from tessera.train.config import load_config, validate_config
 
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
 
 SP = "--tensor_parallel.sequence_parallel=true"
 # name → (grid degrees it adds, extra flags); "moe" marks the items that need a mixture-of-experts model
@@ -86,15 +85,8 @@ CASES = {"x".join(c): c for c in PAIRS + TRIPLES + EXTRA}
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache):
     """One fp32 single-process run per model, made on first use."""
-    out, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(model):
-        if model not in done:
-            args = _args(out, corpus_cache, model, [f"--run.name={model}"])
-            done[model] = (run_rank(load_config(None, args)), metrics(out / model))
-        return done[model]
-
-    return get
+    return single_process_runs(tmp_path_factory.mktemp("reference"),
+                               lambda out, model: _args(out, corpus_cache, model, [f"--run.name={model}"]))
 
 
 def _args(out, cache, model, extra):

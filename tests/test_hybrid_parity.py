@@ -9,11 +9,10 @@ too. The table of supported layouts is docs/HYBRID.md; the rejected ones are che
 import pytest
 
 from tessera.errors import ConfigError
-from tessera.launch import run_rank
 from tessera.train.config import load_config, validate_config
 
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
 
 SP = "--tensor_parallel.sequence_parallel=true"
 PP = ["--parallel.pp=2", "--pipeline.schedule=1f1b", "--pipeline.microbatches=2"]
@@ -45,15 +44,8 @@ COMMON = ["--checkpoint.save_final=false"]
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache):
     """One single-process run per model variant, made on first use."""
-    out, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(model):
-        if model not in done:
-            args = tiny_args(out, corpus_cache, extra=[*MODELS[model], *COMMON, f"--run.name={model}"])
-            done[model] = (run_rank(load_config(None, args)), metrics(out / model))
-        return done[model]
-
-    return get
+    return single_process_runs(tmp_path_factory.mktemp("reference"), lambda out, model: tiny_args(
+        out, corpus_cache, extra=[*MODELS[model], *COMMON, f"--run.name={model}"]))
 
 
 @pytest.mark.multirank

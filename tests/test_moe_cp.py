@@ -16,13 +16,12 @@ import torch
 from tessera import comm
 from tessera.context_parallel import shard_sequence
 from tessera.context_parallel.moe_routing import ContextParallelRouter, group_rows
-from tessera.launch import run_rank
 from tessera.models.moe import MoEConfig, MoEFeedForward, expert_capacity, moe_loss_sum
 from tessera.topology import ParallelConfig, Topology
 from tessera.train.config import load_config, validate_config
 
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
 
 B, S, D, E = 2, 16, 8, 4
 
@@ -162,16 +161,8 @@ LAYOUTS = {  # name → (world size, extra args)
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache):
     """One single-process run per model (dense, moe), made on first use."""
-    out, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(model):
-        if model not in done:
-            extra = [*COMMON, *(MOE if model == "moe" else []), f"--run.name={model}"]
-            done[model] = (run_rank(load_config(None, tiny_args(out, corpus_cache, extra=extra))),
-                           metrics(out / model))
-        return done[model]
-
-    return get
+    return single_process_runs(tmp_path_factory.mktemp("reference"), lambda out, model: tiny_args(
+        out, corpus_cache, extra=[*COMMON, *(MOE if model == "moe" else []), f"--run.name={model}"]))
 
 
 @pytest.mark.multirank

@@ -54,6 +54,10 @@ def test_expert_parallel_zero_matches_single_process(rank_pool, tmp_path, corpus
 RESHARD = {  # name → ((world, args) that saves step 3, (world, args) that resumes from it)
     "ep2xzero1-to-dp2": ((4, ["--parallel.ep=2", "--parallel.zero_stage=1"]), (2, [])),
     "dp2-to-ep2xzero2": ((2, []), (4, ["--parallel.ep=2", "--parallel.zero_stage=2"])),
+    # ZeRO-3: each unit's flat slices cut per parameter (the engines' flat_shards()), experts by global index
+    "ep2xzero3-to-dp2": ((2, ["--parallel.ep=2", "--parallel.zero_stage=3"]), (2, [])),
+    "dp2-to-hybrid-ep2xzero3": ((2, []), (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+                                               "--parallel.zero_stage=3"])),
 }
 
 

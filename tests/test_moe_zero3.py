@@ -25,7 +25,6 @@ from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory,
 from tessera.train.step import forward_backward
 from tessera.zero import ZeroConfig
 
-from test_resume import args as resume_args, records
 from test_trainer import tiny_args, trainer_worker
 from test_trainer_strategies import assert_like_single_process, metrics
 
@@ -74,34 +73,6 @@ def test_expert_parallel_bf16_tracks_the_fp32_curve(rank_pool, tmp_path, corpus_
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(want, got))
     print(f"\nbf16 ep2 ZeRO-{stage} vs fp32 one process: largest loss difference {diff:.4f} over {len(got)} logs")
     assert len(got) == len(want) and 0 < diff < 0.01
-
-
-RESHARD = {  # name → ((world, args) that saves step 3, (world, args) that resumes from it)
-    "ep2xzero3-to-dp2": ((2, ["--parallel.ep=2", "--parallel.zero_stage=3"]), (2, [])),
-    "dp2-to-hybrid-ep2xzero3": ((2, []), (4, [*HYBRID, "--parallel.zero_stage=3"])),
-}
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("name", list(RESHARD))
-def test_expert_parallel_zero3_checkpoint_resumes_on_another_layout(rank_pool, tmp_path, corpus_cache, name):
-    """The step-3 checkpoint (each unit's flat slices cut per parameter, experts under their global index)
-    loads into the other layout, whose continued run equals the uninterrupted one. Needs the engines'
-    ``flat_shards()`` to be what ``tessera.checkpoint.state`` cuts into pieces."""
-    (world_a, extra_a), (world_b, extra_b) = RESHARD[name]
-    full = rank_pool.run(trainer_worker, world_a, args=resume_args(tmp_path, corpus_cache, "full",
-                                                                   [*MOE, *extra_a]))[0]
-    start = tmp_path / "full" / "checkpoint" / "step_000003"
-    again = resume_args(tmp_path, corpus_cache, "next", [*MOE, *extra_b, f"--checkpoint.resume={start}"])
-    resumed = rank_pool.run(trainer_worker, world_b, args=again)[0]
-    assert resumed["resumed_from_step"] == 3
-    assert resumed["val_loss_end"] == pytest.approx(full["val_loss_end"], rel=1e-5)
-    before = {r["step"]: r for r in records(tmp_path / "full") if r["kind"] == "train"}
-    after = [r for r in records(tmp_path / "next") if r["kind"] == "train"]
-    assert [r["step"] for r in after] == list(range(4, 9))
-    for r in after:
-        assert r["loss"] == pytest.approx(before[r["step"]]["loss"], rel=1e-5)
-        assert r["grad_norm"] == pytest.approx(before[r["step"]]["grad_norm"], rel=1e-4)
 
 
 def layout_worker(rank, world_size, replicate, stage, dtype):

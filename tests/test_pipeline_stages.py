@@ -8,11 +8,10 @@ batches as one process; losses (rel 1e-5) and gradient norms (rel 1e-4) agree at
 
 import pytest
 
-from tessera.launch import run_rank
 from tessera.train.config import load_config, validate_config
 
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
 
 SP = "--tensor_parallel.sequence_parallel=true"
 PP = ["--parallel.pp=2", "--pipeline.schedule=1f1b", "--pipeline.microbatches=2"]
@@ -43,15 +42,8 @@ COMM = {"pp2xep2": "ep/all_to_all", "pp2xcp2": "cp/", "pp2xtp2-spxcp2": "cp/"}
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache):
     """One single-process run per model variant, made on first use."""
-    out, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(model):
-        if model not in done:
-            args = tiny_args(out, corpus_cache, extra=[*MODELS[model], *COMMON, f"--run.name={model}"])
-            done[model] = (run_rank(load_config(None, args)), metrics(out / model))
-        return done[model]
-
-    return get
+    return single_process_runs(tmp_path_factory.mktemp("reference"), lambda out, model: tiny_args(
+        out, corpus_cache, extra=[*MODELS[model], *COMMON, f"--run.name={model}"]))
 
 
 def _train(rank_pool, tmp_path, corpus_cache, world, model, extra, name, steps=6):

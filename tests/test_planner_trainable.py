@@ -16,7 +16,6 @@ import pytest
 from tessera.cli import main
 from tessera.composition import validate_composition
 from tessera.errors import ConfigError
-from tessera.launch import run_rank
 from tessera.planner import NoLayoutFits, get_gpu, get_model, search
 from tessera.planner.trainable import TrainerRule, job_flags
 from tessera.train.auto_layout import apply_auto_layout, ranked_layouts
@@ -24,7 +23,7 @@ from tessera.train.config import config_dict, load_config, validate_config
 from tessera.train.dry_run import planner_layout
 
 from test_trainer import trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
 
 WORLD = 8
 # the small preset keeps its 4 layers: with 2, its pp=4 layouts (one layer per stage) would leave the list
@@ -84,15 +83,8 @@ def test_the_search_ranks_layouts_and_parallel_auto_takes_the_first():
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache):
     """One single-process run per preset, made on first use."""
-    out, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(preset):
-        if preset not in done:
-            args = job_args(preset, out, corpus_cache, extra=[f"--run.name={preset}"])
-            done[preset] = (run_rank(load_config(None, args)), metrics(out / preset))
-        return done[preset]
-
-    return get
+    return single_process_runs(tmp_path_factory.mktemp("reference"),
+                               lambda out, preset: job_args(preset, out, corpus_cache, extra=[f"--run.name={preset}"]))
 
 
 @pytest.mark.multirank

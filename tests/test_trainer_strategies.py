@@ -31,6 +31,19 @@ def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def single_process_runs(out, args_of):
+    """``get(key) -> (summary, metrics records)``: one single-process run per key, made on first use in
+    folder ``out``; ``args_of(out, key)`` is the run's argument list, whose ``--run.name`` is ``key``."""
+    done = {}
+
+    def get(key):
+        if key not in done:
+            done[key] = (run_rank(load_config(None, args_of(out, key))), metrics(out / key))
+        return done[key]
+
+    return get
+
+
 def assert_like_single_process(results, single, ref, got, world):
     """Every rank's summary and every logged step of an N-rank run equal the single-process run's (fp32:
     losses within rel 1e-5, gradient norms within rel 1e-4)."""
