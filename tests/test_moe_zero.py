@@ -24,12 +24,17 @@ from test_trainer_strategies import assert_like_single_process, metrics
 
 MOE = ["--model.n_layers=4", "--model.num_experts=4", "--moe.top_k=2"]
 COMMON = ["--checkpoint.save_final=false"]
+HYBRID = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"]  # hybrid sharding under ep
 LAYOUTS = {  # name → (world size, extra args)
     "ep2xzero1": (4, ["--parallel.ep=2", "--parallel.zero_stage=1"]),
     "ep2xzero2": (4, ["--parallel.ep=2", "--parallel.zero_stage=2"]),
     "ep2xzero1-edp1": (2, ["--parallel.ep=2", "--parallel.zero_stage=1"]),  # expert state not sharded
     "ep2xtp2xzero1-sp": (4, ["--parallel.ep=2", "--parallel.tp=2", "--parallel.zero_stage=1",
                              "--tensor_parallel.sequence_parallel=true"]),  # experts whole on tp ranks
+    "ep2xzero3": (2, ["--parallel.ep=2", "--parallel.zero_stage=3"]),
+    "dpr2xdps2xep2xzero1": (4, [*HYBRID, "--parallel.zero_stage=1"]),
+    "dpr2xdps2xep2xzero2": (4, [*HYBRID, "--parallel.zero_stage=2"]),
+    "dpr2xdps2xep2xzero3": (4, [*HYBRID, "--parallel.zero_stage=3"]),  # expert units over edp=2
 }
 
 
@@ -56,8 +61,7 @@ RESHARD = {  # name → ((world, args) that saves step 3, (world, args) that res
     "dp2-to-ep2xzero2": ((2, []), (4, ["--parallel.ep=2", "--parallel.zero_stage=2"])),
     # ZeRO-3: each unit's flat slices cut per parameter (the engines' flat_shards()), experts by global index
     "ep2xzero3-to-dp2": ((2, ["--parallel.ep=2", "--parallel.zero_stage=3"]), (2, [])),
-    "dp2-to-hybrid-ep2xzero3": ((2, []), (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2",
-                                               "--parallel.zero_stage=3"])),
+    "dp2-to-hybrid-ep2xzero3": ((2, []), (4, [*HYBRID, "--parallel.zero_stage=3"])),
 }
 
 
@@ -85,6 +89,23 @@ def test_expert_parallel_zero_checkpoint_resumes_on_another_layout(rank_pool, tm
 def _config(extra):
     return load_config(None, ["--model.preset=tiny", "--data.seq_len=32", "--data.global_batch_size=32",
                               "--data.micro_batch_size=2", *MOE, *extra])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [0, 3])
+def test_expert_parallel_bf16_tracks_the_fp32_curve(rank_pool, tmp_path, corpus_cache, reference, stage):
+    """bf16 weights under ep2 (stage 0: no ZeRO, the master-weight engine, dense over dp, experts over
+    edp; or ZeRO-3) stay within test_precision's bound of the fp32 single-process losses, yet really differ."""
+    _, ref = reference
+    args = tiny_args(tmp_path, corpus_cache, extra=[*MOE, *COMMON, "--parallel.ep=2", "--precision.dtype=bf16",
+                                                     f"--parallel.zero_stage={stage}", "--run.name=bf16"])
+    validate_config(load_config(None, args), 2)
+    rank_pool.run(trainer_worker, 2, args=args, timeout=600.0)
+    got = [r for r in metrics(tmp_path / "bf16") if r["kind"] == "train"]
+    want = [r for r in ref if r["kind"] == "train"]
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(want, got))
+    print(f"\nbf16 ep2 ZeRO-{stage} vs fp32 one process: largest loss difference {diff:.4f} over {len(got)} logs")
+    assert len(got) == len(want) and 0 < diff < 0.01
 
 
 @pytest.mark.parametrize("extra", [[f"--parallel.zero_stage={stage}"] for stage in (1, 2, 3)] + [

@@ -1,11 +1,9 @@
-"""Expert parallelism with ZeRO-3, with hybrid sharding, in mixed precision, and in manual mode.
-
-The full trainer (tiny MoE: 4 layers, 4 experts, top-2) against one process on the same seed and global
-batches: ep2 × ZeRO-3 (expert units gathered over edp, dense units over dp), dp_replicate2 × dp_shard2 ×
-ep2 with ZeRO-1/2/3 (dense state sharded over dp_shard, replicated over dp_replicate; experts sharded over
-edp), fp32: losses rel 1e-5, gradient norms rel 1e-4 at every logged step; ep2 in bf16 (fp32 master
-weights, no ZeRO: stage 0) tracks the fp32 curve. Manual mode (a pipeline's): the expert engines reduce
-nothing during backward and, after ``reduce_gradients()``, train exactly like the hook-driven engines.
+"""The expert engines at every ZeRO stage, with hybrid sharding, in mixed precision and in manual mode:
+where their state lives (dense slices over dp or dp_shard, expert slices over edp; bf16 parameters with
+fp32 masters), and that manual mode (a pipeline's) reduces nothing during backward and, after
+``reduce_gradients()``, trains exactly like the hook-driven engines. Their parity with one process through
+the trainer (ep2 × ZeRO-3, dp_replicate2 × dp_shard2 × ep2 with ZeRO-1/2/3, bf16) and their resharding
+checkpoints are in tests/test_moe_zero.py.
 """
 
 import pytest
@@ -13,66 +11,17 @@ import torch
 
 from tessera.comm.ledger import CommLedger
 from tessera.grad_norm import clip_grad_norm
-from tessera.launch import run_rank
 from tessera.models import Transformer, model_config
 from tessera.models.moe import MoEConfig
 from tessera.moe import apply_expert_parallel, expert_parallelize, expert_parameters, expert_zero
 from tessera.parallelize import norm_axes, sharded_axes
 from tessera.precision import PrecisionConfig
 from tessera.topology import ParallelConfig, Topology
-from tessera.train.config import load_config, validate_config
 from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory, param_groups
 from tessera.train.step import forward_backward
 from tessera.zero import ZeroConfig
 
-from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
-
-MOE = ["--model.n_layers=4", "--model.num_experts=4", "--moe.top_k=2"]
-COMMON = ["--checkpoint.save_final=false"]
-HYBRID = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"]
-LAYOUTS = {  # name → (world size, extra args)
-    "ep2xzero3": (2, ["--parallel.ep=2", "--parallel.zero_stage=3"]),
-    "dpr2xdps2xep2xzero1": (4, [*HYBRID, "--parallel.zero_stage=1"]),
-    "dpr2xdps2xep2xzero2": (4, [*HYBRID, "--parallel.zero_stage=2"]),
-    "dpr2xdps2xep2xzero3": (4, [*HYBRID, "--parallel.zero_stage=3"]),  # expert units gathered over edp=2
-}
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus_cache):
-    out = tmp_path_factory.mktemp("reference")
-    summary = run_rank(load_config(None, tiny_args(out, corpus_cache, extra=[*MOE, *COMMON, "--run.name=ref"])))
-    return summary, metrics(out / "ref")
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_parallel_zero3_and_hybrid_match_single_process(rank_pool, tmp_path, corpus_cache, reference, name):
-    world, extra = LAYOUTS[name]
-    single, ref = reference
-    args = tiny_args(tmp_path, corpus_cache, extra=[*MOE, *COMMON, *extra, f"--run.name={name}"])
-    validate_config(load_config(None, args), world)  # the layout passes validation before any rank starts
-    results = rank_pool.run(trainer_worker, world, args=args, timeout=600.0)
-    assert_like_single_process(results, single, ref, metrics(tmp_path / name), world)
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("stage", [0, 3])
-def test_expert_parallel_bf16_tracks_the_fp32_curve(rank_pool, tmp_path, corpus_cache, reference, stage):
-    """bf16 weights under ep2 (stage 0: no ZeRO, the master-weight engine, dense over dp, experts over
-    edp; or ZeRO-3) stay within test_precision's bound of the fp32 single-process losses, yet really differ."""
-    _, ref = reference
-    args = tiny_args(tmp_path, corpus_cache, extra=[*MOE, *COMMON, "--parallel.ep=2", "--precision.dtype=bf16",
-                                                     f"--parallel.zero_stage={stage}", "--run.name=bf16"])
-    validate_config(load_config(None, args), 2)
-    rank_pool.run(trainer_worker, 2, args=args, timeout=600.0)
-    got = [r for r in metrics(tmp_path / "bf16") if r["kind"] == "train"]
-    want = [r for r in ref if r["kind"] == "train"]
-    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(want, got))
-    print(f"\nbf16 ep2 ZeRO-{stage} vs fp32 one process: largest loss difference {diff:.4f} over {len(got)} logs")
-    assert len(got) == len(want) and 0 < diff < 0.01
 
 
 def layout_worker(rank, world_size, replicate, stage, dtype):
