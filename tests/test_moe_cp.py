@@ -21,7 +21,7 @@ from tessera.topology import ParallelConfig, Topology
 from tessera.train.config import load_config, validate_config
 
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics, single_process_runs
+from test_trainer_strategies import assert_like_single_process, assert_tracks_fp32, metrics, single_process_runs
 
 B, S, D, E = 2, 16, 8, 4
 
@@ -199,10 +199,7 @@ def test_context_parallel_low_precision_tracks_the_fp32_curve(rank_pool, tmp_pat
     validate_config(load_config(None, args), 2)
     results = rank_pool.run(trainer_worker, 2, args=args, timeout=600.0)
     got = [r for r in metrics(tmp_path / dtype) if r["kind"] == "train"]
-    want = [r for r in ref if r["kind"] == "train"]
-    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(want, got))
-    print(f"\n{dtype} cp2 ({method}) vs fp32 one process: largest loss difference {diff:.4f} over {len(got)} logs")
-    assert len(got) == len(want) >= 3 and 0 < diff < 0.01
+    assert_tracks_fp32(ref, got, f"{dtype} cp2 ({method})", min_logs=3)
     assert results[0]["skipped_steps"] == 0 and results[0]["val_loss_end"] < results[0]["val_loss_start"]
     assert all(m["params"] == 2 * results[0]["parameters"] for m in got[-1]["memory"])  # 2-byte weights
     assert got[-1]["loss_scale"] == (65536.0 if dtype == "fp16" else 1.0)  # fp16: dynamic loss scaling on

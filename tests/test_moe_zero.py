@@ -20,7 +20,7 @@ from tessera.train.optim import OptimConfig, optimizer_factory, param_groups
 
 from test_resume import args as resume_args, records
 from test_trainer import tiny_args, trainer_worker
-from test_trainer_strategies import assert_like_single_process, metrics
+from test_trainer_strategies import assert_like_single_process, assert_tracks_fp32, metrics
 
 MOE = ["--model.n_layers=4", "--model.num_experts=4", "--moe.top_k=2"]
 COMMON = ["--checkpoint.save_final=false"]
@@ -101,11 +101,7 @@ def test_expert_parallel_bf16_tracks_the_fp32_curve(rank_pool, tmp_path, corpus_
                                                      f"--parallel.zero_stage={stage}", "--run.name=bf16"])
     validate_config(load_config(None, args), 2)
     rank_pool.run(trainer_worker, 2, args=args, timeout=600.0)
-    got = [r for r in metrics(tmp_path / "bf16") if r["kind"] == "train"]
-    want = [r for r in ref if r["kind"] == "train"]
-    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(want, got))
-    print(f"\nbf16 ep2 ZeRO-{stage} vs fp32 one process: largest loss difference {diff:.4f} over {len(got)} logs")
-    assert len(got) == len(want) and 0 < diff < 0.01
+    assert_tracks_fp32(ref, metrics(tmp_path / "bf16"), f"bf16 ep2 ZeRO-{stage}")
 
 
 @pytest.mark.parametrize("extra", [[f"--parallel.zero_stage={stage}"] for stage in (1, 2, 3)] + [

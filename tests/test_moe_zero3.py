@@ -40,7 +40,8 @@ def layout_worker(rank, world_size, replicate, stage, dtype):
                              precision=PrecisionConfig(dtype=dtype))
         held = [sum(s.master.numel() for s in e.update.shards) for e in engine.parts]
         groups = [(e.shard_group.axis, e.shard_group.size, e.replicate_group.size) for e in engine.parts]
-        dtypes = {str(s.param.dtype) for s in engine.update.shards} | {str(s.master.dtype) for s in engine.update.shards}
+        shards = engine.update.shards
+        dtypes = {str(s.param.dtype) for s in shards} | {str(s.master.dtype) for s in shards}
         return totals, held, groups, dtypes
     finally:
         topo.destroy()

@@ -31,6 +31,21 @@ def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+LOW_PRECISION_BOUND = 0.01  # tests/test_precision.py's bound on the largest loss difference from fp32
+
+
+def assert_tracks_fp32(ref, got, label: str, min_logs: int = 1) -> float:
+    """A low-precision run's metrics records ``got`` against the fp32 one-process ``ref``: the same logged
+    steps, and the largest loss difference below LOW_PRECISION_BOUND yet above 0 (really computed in low
+    precision). Returns that difference."""
+    want = [r["loss"] for r in ref if r["kind"] == "train"]
+    have = [r["loss"] for r in got if r["kind"] == "train"]
+    diff = max(abs(a - b) for a, b in zip(want, have))
+    print(f"\n{label} vs fp32 one process: largest loss difference {diff:.4f} over {len(have)} logs")
+    assert len(have) == len(want) >= min_logs and 0 < diff < LOW_PRECISION_BOUND
+    return diff
+
+
 def single_process_runs(out, args_of):
     """``get(key) -> (summary, metrics records)``: one single-process run per key, made on first use in
     folder ``out``; ``args_of(out, key)`` is the run's argument list, whose ``--run.name`` is ``key``."""
