@@ -22,35 +22,37 @@ AUC_MARGIN = 0.02  # ASP / SSP must reach the BSP run's AUC within this
 pytestmark = pytest.mark.slow  # every test here starts server and worker processes
 
 
-def listening_sockets() -> list[tuple[str, str, str]]:
-    """(process, address, kind) of every listening socket of this process and its children: TCP
-    listeners, and UNIX sockets bound to an address (TensorPipe's shm transport)."""
+def listening_sockets() -> list[tuple[str, str, str, int]]:
+    """(process, address, kind, port) of every listening socket of this process and its children: TCP
+    listeners, and UNIX sockets bound to an address (TensorPipe's shm transport; port 0)."""
     found = []
     for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
             conns = proc.net_connections("all")
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         for c in conns:
             if c.family in (socket.AF_INET, socket.AF_INET6) and c.status == psutil.CONN_LISTEN:
-                found.append((str(proc.pid), c.laddr.ip, "tcp"))
+                found.append((str(proc.pid), c.laddr.ip, "tcp", c.laddr.port))
             elif c.family == socket.AF_UNIX and c.laddr:
-                found.append((str(proc.pid), c.laddr, "unix"))
+                found.append((str(proc.pid), c.laddr, "unix", 0))
     return found
 
 
 def run_watching_sockets(cfg: PSConfig, steps: int, at_step: int = 2, **kw) -> tuple[dict, list]:
-    """Run a job; while worker 0 finishes step ``at_step`` (every role alive), list the listening sockets
-    the job opened (those of processes this test session had already started, such as the rank pool's
-    workers, are left out)."""
-    seen: list = []
+    """Run a job; from the moment worker 0 finishes step ``at_step`` (every role alive) to the end, list
+    the listening sockets the job opened as (process, address, kind): those that were not listening
+    before it started, told apart by port too (this process may hold an earlier listener on the same
+    address, e.g. a test's rendezvous store). Each later step looks again, so a role caught between two
+    reads of the process table is still seen."""
+    seen: set = set()
     before = set(listening_sockets())
 
     def progress(step):
-        if step == at_step and not seen:
-            seen.extend(s for s in listening_sockets() if s not in before)
+        if step >= at_step:
+            seen.update(s[:3] for s in listening_sockets() if s not in before)
 
-    return run_ps_job(cfg, steps, seed=0, progress=progress, **kw), seen
+    return run_ps_job(cfg, steps, seed=0, progress=progress, **kw), sorted(seen)
 
 
 @pytest.fixture(scope="module")
