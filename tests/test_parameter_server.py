@@ -5,6 +5,7 @@ the bytes comparison and the resume test.
 """
 
 import socket
+import threading
 
 import psutil
 import pytest
@@ -39,20 +40,37 @@ def listening_sockets() -> list[tuple[str, str, str, int]]:
     return found
 
 
-def run_watching_sockets(cfg: PSConfig, steps: int, at_step: int = 2, **kw) -> tuple[dict, list]:
-    """Run a job; from the moment worker 0 finishes step ``at_step`` (every role alive) to the end, list
-    the listening sockets the job opened as (process, address, kind): those that were not listening
-    before it started, told apart by port too (this process may hold an earlier listener on the same
-    address, e.g. a test's rendezvous store). Each later step looks again, so a role caught between two
-    reads of the process table is still seen."""
+def run_watching_sockets(cfg: PSConfig, steps: int, from_step: int | None = None, **kw) -> tuple[dict, list]:
+    """Run a job while a thread lists, every 20 ms, the listening sockets the job opened, as (process,
+    address, kind): those that were not listening before it started, told apart by port too (this process
+    may hold an earlier listener on the same address, e.g. a test's rendezvous store). ``from_step``: start
+    looking only once worker 0 reports that step (skipping start-up, during which every role was seen to
+    listen briefly on loopback as well); None: from the start, so no role is missed however late the progress
+    callbacks arrive on a loaded machine."""
     seen: set = set()
     before = set(listening_sockets())
+    done, go = threading.Event(), threading.Event()
+    if from_step is None:
+        go.set()
+
+    def watch():
+        while not done.is_set():
+            if go.is_set():
+                seen.update(s[:3] for s in listening_sockets() if s not in before)
+            done.wait(0.02)
 
     def progress(step):
-        if step >= at_step:
-            seen.update(s[:3] for s in listening_sockets() if s not in before)
+        if from_step is not None and step >= from_step:
+            go.set()
 
-    return run_ps_job(cfg, steps, seed=0, progress=progress, **kw), sorted(seen)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        run = run_ps_job(cfg, steps, seed=0, progress=progress, **kw)
+    finally:
+        done.set()
+        watcher.join()
+    return run, sorted(seen)
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +164,6 @@ def test_the_listeners_follow_a_configured_network_address():
     if not others:
         pytest.skip("this machine has no IPv4 address besides loopback")
     cfg = PSConfig(mode="bsp", address=others[0], **{**BASE, "eval_size": 256})
-    run, sockets = run_watching_sockets(cfg, 4, at_step=1)
+    run, sockets = run_watching_sockets(cfg, 4, from_step=1)
     assert run["versions"] == [4, 4]
     assert {ip for _, ip, kind in sockets if kind == "tcp"} == {others[0]}
