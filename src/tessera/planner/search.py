@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from tessera.errors import ConfigError, UserError
-from tessera.planner.estimate import Estimate, estimate, memory_per_rank
+from tessera.planner.estimate import estimate, memory_per_rank
 from tessera.planner.layout import Layout
 
 GB = 1e9
@@ -41,7 +41,6 @@ class SearchSpace:
 @dataclass
 class Plan:
     ranked: list  # Estimates that fit (and, given a rule, that the trainer runs), fastest first
-    smallest: Estimate | None  # the least memory per rank among ``ranked``; when nothing fits, the error names it
     considered: int  # layouts that divide the model, cluster and batch
     fitting: int = 0  # of those, how many fit in memory (before the trainer's rule)
     refused: list = field(default_factory=list)  # (Layout, reason): fitting layouts the rule refused while ranking
@@ -135,8 +134,7 @@ def search(spec, gpu, gpus: int, global_batch: int, seq: int | None = None, *, p
         layout, reason = refused[0]
         raise NoLayoutFits(f"none of the {len(fitting)} layouts that fit is one tessera train runs; the "
                            f"fastest ({layout.describe()}) is refused: {reason}")
-    smallest = min(ranked, key=lambda e: e.memory_bytes["total"])
-    return Plan(ranked, smallest, len(sized), len(fitting), refused)
+    return Plan(ranked, len(sized), len(fitting), refused)
 
 
 def _accepted(ranked: list, rule, top: int | None) -> tuple[list, list]:
