@@ -12,6 +12,7 @@ from tessera.data_parallel.buckets import build_buckets, in_arrival_order
 from tessera.models import Transformer, model_config
 from tessera.topology import ParallelConfig, Topology
 from tessera.train.step import forward_backward
+from tolerance import ADAM_EPS
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 4
 
@@ -48,7 +49,7 @@ def local_micro_batches(step: int, rank: int, world: int, accum: int):
 
 
 def train(model, dp: CommGroup, rank: int, world: int, accum: int, steps: int = STEPS):
-    opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
     losses = []
     for step in range(steps):
         batches = local_micro_batches(step, rank, world, accum)

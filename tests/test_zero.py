@@ -17,6 +17,7 @@ from tessera.topology import ParallelConfig, Topology
 from tessera.train.step import forward_backward
 from tessera.zero import ZeroConfig
 from tessera.zero.build import shard_model
+from tolerance import ADAM_EPS, assert_close_but_few
 
 GLOBAL_BATCH, SEQ, STEPS, LR, CLIP = 8, 16, 4, 1e-2, 0.5
 CPU = torch.device("cpu")
@@ -34,7 +35,7 @@ def param_groups(model):
 
 
 def make_optimizer(groups):
-    return torch.optim.AdamW(groups, lr=LR)
+    return torch.optim.AdamW(groups, lr=LR, eps=ADAM_EPS)
 
 
 def local_micro_batches(step, rank, world, accum):
@@ -114,7 +115,7 @@ def check_matches_single_process(rank_pool, stage, world, replicate, offload, ck
         torch.testing.assert_close(r["norms"], ref_norms, rtol=1e-5, atol=1e-6)
         assert ref_norms[0] > CLIP  # clipping really acted
         for name, value in ref_params.items():
-            torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=2e-5, msg=name)
+            assert_close_but_few(r["params"][name], value, rtol=1e-5, atol=2e-5, loose_atol=2 * LR * STEPS, msg=name)
         # each rank's optimizer covers only its 1/dp_shard of the parameters (plus padding)
         assert n_params / shard <= r["masters"] < n_params / shard + 64
     for name in ref_params:  # every replica ends bit-identical

@@ -18,6 +18,7 @@ from tessera.precision import PrecisionConfig
 from tessera.topology import ParallelConfig, Topology
 from tessera.zero import ZeroConfig
 from tessera.zero.build import shard_model
+from tolerance import ADAM_EPS, assert_close_but_few
 
 GLOBAL_BATCH, MICRO, SEQ, STEPS, LR, CLIP = 8, 2, 16, 3, 1e-2, 0.5
 CPU = torch.device("cpu")
@@ -43,7 +44,7 @@ def param_groups(module):
 
 
 def make_optimizer(groups):
-    return torch.optim.AdamW(groups, lr=LR)
+    return torch.optim.AdamW(groups, lr=LR, eps=ADAM_EPS)
 
 
 def micro_batches(step, rank, world):
@@ -136,7 +137,7 @@ def test_manual_zero3_matches_single_process(rank_pool, world, reshard, replicat
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert norms == pytest.approx(ref_norms, rel=1e-4)
         for name, value in params.items():
-            torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+            assert_close_but_few(value, ref_params[name], rtol=1e-4, atol=1e-5, loose_atol=2 * LR * STEPS, msg=name)
 
 
 @pytest.mark.multirank

@@ -97,6 +97,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     parallel = resolve_job(cfg, world, announce=lead)
     if args.dry_run:
         return _dry_run(cfg, parallel, world, lead)
+    if cfg.run.check_memory:  # the planner's peak per rank against this machine's memory per local rank
+        from tessera.train.memory_check import check_memory
+
+        check_memory(cfg, parallel, world, _memory_budget(cfg, world, ranked))
     if ranked:  # the ranks' own load checks the checkpoint, and rank 0 creates the run folder
         from tessera.launch import rank_entry
 
@@ -125,10 +129,19 @@ def resolve_job(cfg, world: int, announce: bool = True):
     return cfg.parallel.resolved(world)
 
 
+def _memory_budget(cfg, world: int, ranked: bool):
+    """This machine's memory per local rank (under torchrun its LOCAL_WORLD_SIZE ranks share it)."""
+    from tessera.train.memory_check import machine_budget
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if ranked else world
+    return machine_budget(cfg.run.device, local, ranks_running=ranked)
+
+
 def _dry_run(cfg, parallel, world: int, lead: bool) -> int:
     """Every check of a launch, then the report; nothing is started or written. Under torchrun every rank
     runs this; only the lead rank reads the checkpoint (it hashes every file), as before a real launch."""
     from tessera.device import resolve_device
+    from tessera.launch import under_torchrun
     from tessera.train.dry_run import describe_job
     from tessera.train.resume import check_before_launch
     from tessera.train.rundir import prepare_run_dir
@@ -137,7 +150,10 @@ def _dry_run(cfg, parallel, world: int, lead: bool) -> int:
     resume = check_before_launch(cfg) if lead else None
     run_dir = prepare_run_dir(cfg, parallel, create=False)
     if lead:
-        print(describe_job(cfg, parallel, world, run_dir, resume))
+        from tessera.train.memory_check import memory_report
+
+        budget = _memory_budget(cfg, world, ranked=under_torchrun())
+        print(describe_job(cfg, parallel, world, run_dir, resume, memory_report(cfg, parallel, world, budget)))
     return 0
 
 

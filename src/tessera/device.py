@@ -56,3 +56,11 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cpu":
         return None
     return int(torch.accelerator.max_memory_allocated(device))
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of one accelerator device (None for the CPU), read from its properties, so that
+    asking allocates nothing on it."""
+    if device.type == "cpu":
+        return None
+    return int(getattr(torch, device.type).get_device_properties(device.index or 0).total_memory)

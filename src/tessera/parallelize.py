@@ -10,6 +10,13 @@ element once by the rule of ``tessera.grad_norm``. The supported hybrids and the
 ``tessera.composition.validate_composition`` (before any rank starts, with a sentence saying why) are
 listed in docs/HYBRID.md.
 
+Materialisation: ``model`` may be described on the meta device (``Transformer(cfg, seed=s)`` built under
+``torch.device("meta")``): the model-side strategies claim their parts on it (tp slices, experts; a
+pipeline its stages), and only then each rank allocates what it holds (``tessera.models.init``):
+:func:`materialize_unless_sharded` fills the parameters on ``device``, except for ZeRO-3, whose engine
+receives the meta model and fills only its own flat shards from the origins. A real model passes through
+unchanged.
+
 Gradient convention: data-parallel gradients are *summed* over ranks, so the training loss on each
 rank must already be divided by the global number of tokens in the step (the trainer does this); that
 keeps the result identical to one process however tokens are spread over ranks and micro-batches.
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 from tessera.data_parallel import DDPConfig, DistributedDataParallel
+from tessera.models.init import materialize, materialize_buffers
 from tessera.precision import PrecisionConfig
 from tessera.recompute import RecomputeConfig, apply_checkpointing
 from tessera.topology import Topology
@@ -51,6 +59,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     """
     parallelize_model_side(model, topology, tensor_parallel=tensor_parallel, context_parallel=context_parallel,
                            recompute=recompute)
+    materialize_unless_sharded(model, topology, device)
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
         from tessera.moe import expert_parallelize, expert_zero
 
@@ -105,6 +114,19 @@ def parallelize_model_side(model: nn.Module, topology: Topology, *, tensor_paral
         apply_expert_parallel(model, topology.group("ep"))
     if tp_cfg is not None and tp_cfg.sequence_parallel:
         whole_moe_under_sp(model, topology.group("tp"))  # after ep replaced the layers: hooks on those that run
+    return model
+
+
+def materialize_unless_sharded(model: nn.Module, topology: Topology, device: torch.device) -> nn.Module:
+    """Allocate and fill on ``device`` the meta parameters of ``model``, after every model-side strategy
+    claimed its part, unless the data-parallel engine is ZeRO-3 (dense or expert), which fills its flat
+    shards from the meta parameters' origins itself; meta buffers (RoPE tables, …) are made here either
+    way (a pipeline's ZeRO-3 engine sees the stages' parameters, not the stage modules). Real tensors are
+    left as they are."""
+    if topology.config.zero_stage != 3:
+        materialize(model, device)
+    else:
+        materialize_buffers(model, device)
     return model
 
 

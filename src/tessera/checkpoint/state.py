@@ -22,7 +22,11 @@ Where the values live:
 
 Every piece's tensor is a view of live storage, so a load writes straight into the parameters, masters and
 optimizer state; :func:`finish_load` then refreshes what is derived from them (compute-dtype copies,
-gathered parameters).
+gathered parameters). With disk offload (``zero.offload = "disk"``) the masters and the AdamW state are
+views of memory-mapped files: the pieces are the same (the checkpoint format does not depend on where the
+state lived, so either run resumes the other's checkpoint), a load writes into the files' pages and
+:func:`finish_load` writes them back and unmaps them. A resume reads the checkpoint, never the offload
+files, which are a fresh scratch folder in every run.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.placement import Placer, flat_boxes
 from tessera.zero import FullyShardedDataParallel
+from tessera.zero.offload import StreamedAdamW, on_disk, refresh_mirror
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -43,6 +48,9 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     fresh optimizer."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
         raise TypeError(f"checkpoint pieces know Adam/AdamW state only, not {type(optimizer).__name__}")
+    if isinstance(optimizer, StreamedAdamW):  # disk offload: the state of file-backed masters in files too
+        optimizer.ensure_state()
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
@@ -124,8 +132,12 @@ def finish_load(core: nn.Module, optimizer: torch.optim.Optimizer, engine=None) 
     if engine is None:
         return
     for shard in engine.update.shards:
-        if shard.master.data_ptr() != shard.param.data_ptr():
+        if on_disk(shard.master):  # chunk by chunk, each unmapped once copied
+            refresh_mirror(shard.master)
+        elif shard.master.data_ptr() != shard.param.data_ptr():
             shard.param.copy_(shard.master.detach())
+    if isinstance(optimizer, StreamedAdamW):  # the load wrote into the mapped state: to the files, unmapped
+        optimizer.settle()
     if isinstance(engine, FullyShardedDataParallel):
         for unit in engine.units:
             unit.reshard()

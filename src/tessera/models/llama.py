@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tessera.models.config import ModelConfig, model_config
+from tessera.models.init import InitSpec, init_parameter
 from tessera.models.layers import RMSNorm, TransformerBlock, precompute_rope
 
 # Linear layers whose output is added straight onto the residual stream (GPT-2 scaling).
@@ -24,9 +25,14 @@ _RESIDUAL_PROJECTIONS = ("wo", "w2")
 class Transformer(nn.Module):
     """Decoder-only transformer: embeddings -> L pre-norm blocks -> RMSNorm -> vocab head."""
 
-    def __init__(self, cfg: ModelConfig, moe=None):
-        """`moe`: a models.moe.MoEConfig for the MoE blocks (num_experts > 0); None = its defaults."""
+    def __init__(self, cfg: ModelConfig, moe=None, seed: int | None = None):
+        """`moe`: a models.moe.MoEConfig for the MoE blocks (num_experts > 0); None = its defaults.
+        `seed`: of the initial values (see `init_weights`); None draws one from torch's global generator,
+        so `torch.manual_seed(s)` before construction still decides the model. Built under
+        `torch.device("meta")`, nothing is allocated: each parameter only records its origin."""
         super().__init__()
+        if seed is None:  # drawn first: building the layers on a real device draws from the generator too
+            seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.cfg = cfg.validate()
         self.moe_cfg = moe
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -38,7 +44,7 @@ class Transformer(nn.Module):
         cos_SE2, sin_SE2 = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos_SE2, persistent=False)
         self.register_buffer("rope_sin", sin_SE2, persistent=False)
-        self.init_weights()
+        self.init_weights(seed)
 
     @classmethod
     def from_preset(cls, name: str = "small", **overrides) -> "Transformer":
@@ -50,37 +56,44 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self) -> None:
-        """Re-initialise every parameter from the current torch RNG, in a fixed order.
+    def init_weights(self, seed: int) -> None:
+        """Give every parameter its initial values: a function of (``seed``, its name in the whole model)
+        only, drawn chunk by chunk (``tessera.models.init``), so any slice of any layout equals one
+        process's. On the meta device the parameters only record that origin.
 
         Linears and embeddings ~ N(0, init_std); `wo` and `w2` (which write into the
         residual stream) use init_std / sqrt(2 * n_layers) so the residual variance does
-        not grow with depth (GPT-2); norm weights are ones. Tied weights are drawn once.
+        not grow with depth (GPT-2); norm weights are ones; biases zeros. Tied weights are drawn once.
         """
         self._tie()
-        std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
-        seen: set[int] = set()
-        with torch.no_grad():
-            for name, module in self.named_modules():
-                if isinstance(module, RMSNorm):
-                    module.reset_parameters()
-                elif isinstance(module, (nn.Linear, nn.Embedding)):
-                    if id(module.weight) in seen:
-                        continue  # tied output head: already drawn as the embedding
-                    seen.add(id(module.weight))
-                    leaf = name.rsplit(".", 1)[-1]
-                    s = resid_std if leaf in _RESIDUAL_PROJECTIONS else std
-                    nn.init.normal_(module.weight, mean=0.0, std=s)
+        for name, p in self.named_parameters():  # tied: the first name (the embedding) only
+            init_parameter(p, InitSpec(name, tuple(p.shape), *self._init_kind(name), seed=seed))
 
-    def reset_rope(self) -> None:
-        """Recompute the RoPE tables in float32 (e.g. after `model.to(torch.bfloat16)`
-        cast them, or after materialising from the meta device)."""
-        cos_SE2, sin_SE2 = precompute_rope(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta
-        )
-        self.rope_cos = cos_SE2.to(self.rope_cos.device)
-        self.rope_sin = sin_SE2.to(self.rope_sin.device)
+    def _init_kind(self, name: str) -> tuple[str, float]:
+        """(distribution, std) of parameter ``name`` (see :meth:`init_weights`)."""
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        module = self.get_submodule(owner)
+        if isinstance(module, RMSNorm):
+            return "ones", 0.0
+        if leaf == "bias":
+            return "zeros", 0.0
+        std = self.cfg.init_std
+        if owner.rsplit(".", 1)[-1] in _RESIDUAL_PROJECTIONS:
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        return "normal", std
+
+    def reset_rope(self, device: torch.device | None = None) -> None:
+        """Recompute the RoPE tables in float32 on ``device`` (default: where they are now), e.g. after
+        `model.to(torch.bfloat16)` cast them."""
+        device = self.rope_cos.device if device is None else torch.device(device)
+        with torch.device("cpu"):  # on the CPU whatever the ambient device: the same tables everywhere
+            cos_SE2, sin_SE2 = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos = cos_SE2.to(device)
+        self.rope_sin = sin_SE2.to(device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The buffers of a model built on the meta device, made on ``device`` (``models.init.materialize``)."""
+        self.reset_rope(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int -> logits [B, S, V].

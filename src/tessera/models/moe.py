@@ -287,7 +287,9 @@ class MoEStats:
 
     @classmethod
     def zeros(cls, n_exp: int) -> MoEStats:
-        return cls(torch.zeros(2 * n_exp + 5, dtype=torch.float64))
+        # on the CPU even inside a meta-device build (not a parameter: nothing would materialise it); the
+        # first forward moves it to its device (``on``)
+        return cls(torch.zeros(2 * n_exp + 5, dtype=torch.float64, device="cpu"))
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The counters, moved to ``device`` first if they are elsewhere (once: the first forward there)."""

@@ -15,6 +15,11 @@ flats over dp and expert flats over edp) — the ZeRO counterpart of :class:`tes
 — stepped by ONE optimizer over both engines' master shards (param group g holds the dense and the expert
 masters of the model's group g, so a learning-rate scheduler drives both alike).
 
+Built from the meta device (ZeRO-3 only; the other stages receive real parameters): the dense engine fills
+its flat slices from the origins of the dense parameters and leaves the experts, still on the meta
+device, to the expert engine, which fills its slices from theirs and then materialises what neither holds
+(``tessera.zero.stage3``); no rank ever allocates a whole parameter it does not own.
+
 Communication per step, as each stage has it for a dense model, with the dense collectives on dp (or
 dp_shard, then an all-reduce of slices over dp_replicate) and the expert ones on edp: ZeRO-1/2 a
 reduce-scatter per bucket in backward and an all-gather per bucket after the step; ZeRO-3 an all-gather per
@@ -42,6 +47,7 @@ from tessera.models.layers import TransformerBlock
 from tessera.moe.expert_parallel import expert_parameters
 from tessera.precision.config import PrecisionConfig
 from tessera.zero.build import build_engine, dense_groups
+from tessera.zero.offload import StreamedAdamW, for_disk_masters
 
 
 class ExpertZeroDataParallel(nn.Module):
@@ -68,11 +74,17 @@ class ExpertZeroDataParallel(nn.Module):
         # a plain tuple, so the wrapped module is not registered three times
         self.parts = (make_part(subset(lambda e: not e), *dense, others),
                       make_part(subset(lambda e: e), *experts, {"ep": ep, **others}))
+        left = [n for n, p in module.named_parameters() if p.is_meta]
+        if left:  # a meta parameter in neither engine's param groups: nothing would ever fill it
+            raise ValueError(f"expert ZeRO: parameters {left[:3]} are on the meta device and in no param group")
         # ONE optimizer: group g = the dense and expert masters of the model's group g
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [s.master for e in self.parts for s in e.update.shards if s.param_group == i]}
                   for i, g in enumerate(param_groups)]
-        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+        # masters in offload files (zero.offload = "disk"): the optimizer that streams them
+        self.optimizer = for_disk_masters(make_optimizer([g for g in groups if g["params"]]))
+        if isinstance(self.optimizer, StreamedAdamW):
+            self.optimizer.ensure_state()  # the moments' files at start (a full disk fails here, not in a step)
         for e in self.parts:
             e.optimizer = e.update.optimizer = self.optimizer
         self.update = SimpleNamespace(shards=[s for e in self.parts for s in e.update.shards])

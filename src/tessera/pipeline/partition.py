@@ -13,6 +13,7 @@ import copy
 from torch import nn
 
 from tessera.errors import ConfigError
+from tessera.models.init import copy_origins
 
 
 def balanced_partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
@@ -92,8 +93,11 @@ def partition_transformer(model: nn.Module, n_stages: int, method: str = "params
 
 def build_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
     """A copy of ``model`` holding only ``layer_ids`` (keys kept, so parameter names match the full
-    model), the embeddings only on the first stage and the norm + head only on the last."""
+    model), the embeddings only on the first stage and the norm + head only on the last. On a model built
+    on the meta device the copy costs nothing and keeps each parameter's initial-value origin
+    (``copy.deepcopy`` drops tensor attributes, so they are copied over by name)."""
     stage = copy.deepcopy(model)
+    copy_origins(model, stage)
     keep = {str(i) for i in layer_ids}
     for key in list(stage.layers.keys()):
         if key not in keep:

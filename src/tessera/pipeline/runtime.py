@@ -113,8 +113,9 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
     the pp group's device, where the activations it sends must live).
 
     ``prepare_stage(stage) -> stage`` transforms each stage module before it runs (e.g. tensor
-    parallelism); ``seq_split``: the activations between stages hold 1/seq_split of the sequence
-    (sequence parallelism), activation_BsD with s = S / seq_split. ``activation_dtype``: the dtype of the
+    parallelism); a ``model`` on the meta device gives meta stages, which it must materialise.
+    ``seq_split``: the activations between stages hold 1/seq_split of the sequence (sequence
+    parallelism), activation_BsD with s = S / seq_split. ``activation_dtype``: the dtype of the
     activations and gradients sent between stages (the receive buffers), None for the model's parameter
     dtype (mixed precision passes the dtype its stages compute and exchange in)."""
     cfg.validate(pp.size, n_layers=len(model.layers))
@@ -124,7 +125,9 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
     verify_complete(schedule)
     check(schedule)  # raises ScheduleError before any message is sent
     device = torch.device(device) if device is not None else pp.device
-    stages = {s: m.to(device) for s, m in stage_modules(model, partition, pp.size, pp.rank).items()}
+    stages = stage_modules(model, partition, pp.size, pp.rank)
+    # a meta-device model's stages stay on meta: ``prepare_stage`` materialises them where they run
+    stages = {s: m if _is_meta(m) else m.to(device) for s, m in stages.items()}
     if prepare_stage is not None:
         stages = {s: prepare_stage(m) for s, m in stages.items()}
     dim = model.cfg.dim
@@ -137,3 +140,7 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
                                 recompute=cfg.recompute, on_step=on_step, vertical_sync=cfg.vertical_sync)
     tied = bool(getattr(model.cfg, "tie_embeddings", False))
     return Pipeline(executor, partition, tied)
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
 from tessera.planner.flops import bubble_fraction, model_flops, recompute_flops
-from tessera.planner.memory import (activation_bytes_per_layer, embedding_bytes, llama_activation_bytes_per_layer,
-                                    logits_bytes, model_state_bytes, stage_inflight)
+from tessera.planner.memory import (DISK_STAGING_BYTES, activation_bytes_per_layer, embedding_bytes,
+                                    llama_activation_bytes_per_layer, logits_bytes, model_state_bytes,
+                                    offload_kind, stage_inflight)
 
 ELEM_BYTES = {"mixed": 2, "fp32": 4}
 BUCKET_BYTES = 25 * 2**20  # data-parallel gradient buckets (DDP, ZeRO-1/2) of tessera and PyTorch
@@ -81,7 +82,9 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
                  stage: int) -> tuple[dict, float]:
     """(device bytes by kind, host bytes) for one rank of pipeline stage ``stage`` (0 … pp−1). Ranks of
     one stage hold equal shares (tp, ep and ZeRO split evenly), so this is every rank of the stage. The
-    first stage also holds the embedding, the last the output layer and the logits."""
+    first stage also holds the embedding, the last the output layer and the logits. Offload (``layout.
+    offload``: True or "host", or "disk") takes the optimizer states off the device: to host memory
+    (``host``), or to files on disk, keeping only :data:`DISK_STAGING_BYTES` of buffers in host memory."""
     first, last = stage == 0, stage == layout.pp - 1
     elem = ELEM_BYTES[precision]
     shard = layout.dp * layout.cp  # cp ranks hold the same weights, so ZeRO shards over dp × cp
@@ -90,11 +93,16 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     if expert:
         ex = _model_states(expert, layout, max(1, shard // layout.ep), precision, optimizer)
         states = {k: states[k] + ex[k] for k in states}
-    host = 0.0
-    if layout.offload:  # the host runs the update: optimizer states there, and in fp32 training (no
+    # mixed precision: the update reads an fp32 copy of this rank's reduced gradient slice (next to the
+    # masters, so on the host with host offload)
+    update_grads = 4 * (dense + expert) / (shard if layout.zero_stage else 1) if precision == "mixed" else 0.0
+    host, offload = 0.0, offload_kind(layout.offload)
+    if offload != "none":  # the host runs the update: optimizer states there, and in fp32 training (no
         # master copy among the optimizer states) an fp32 copy of the parameter shard to update
         master = 4 * (dense + expert) / shard if precision == "fp32" else 0.0
-        host, states["optimizer"] = states["optimizer"] + master, 0.0
+        moved, states["optimizer"] = states["optimizer"] + master, 0.0
+        host = moved + update_grads if offload == "host" else DISK_STAGING_BYTES
+        update_grads = 0.0 if offload == "host" else update_grads
     seq_local = seq // layout.cp
     inflight = stage_inflight(stage, layout.schedule, layout.pp, layout.microbatches(global_batch),
                               layout.virtual_stages)
@@ -105,15 +113,26 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     if last:  # the loss's saved logits, for every micro-batch whose backward has not run
         acts += inflight * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
                                         elem_bytes=elem)
-    buffers = 0.0
-    if layout.zero_stage == 3 and shard > 1:  # this layer's and the prefetched next layer's gathered weights
-        buffers += 2 * spec.dense_layer_params() / layout.tp * elem
+    buffers = update_grads + _zero3_buffers(spec, layout, shard, elem)
     if layout.pp > 1:  # one activation to send and one received, per direction
         buffers += 4 * layout.micro_batch * seq_local * spec.hidden * elem / (layout.tp if layout.sp else 1)
     mem = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
            "activations": acts, "buffers": buffers}
     mem["total"] = sum(mem.values())
     return mem, host
+
+
+def _zero3_buffers(spec, layout, shard: int, elem: int) -> float:
+    """ZeRO-3's whole units in the compute dtype beside the shards. Units are tessera's block policy's:
+    each layer, the embedding and the output head (``unit`` elements: the largest). In backward, without
+    a pipeline: the unit computing and the one prefetched, the gradient [unit] accumulating and the one
+    before it still being reduce-scattered. Under a pipeline (manual mode, no prefetch) a unit is gathered
+    for its use (the full gradients of the stage are counted among the model states)."""
+    if layout.zero_stage != 3 or shard == 1:
+        return 0.0
+    layer = spec.dense_layer_params() / layout.tp + spec.expert_layer_params() / (layout.ep * layout.tp)
+    unit = max(layer, spec.embedding_params() / layout.tp, spec.head_params() / layout.tp)
+    return (2 if layout.pp > 1 else 4) * unit * elem
 
 
 def memory_per_rank(spec, layout, global_batch: int, seq: int, precision: str = "mixed",

@@ -18,7 +18,7 @@ class Layout:
     ep: int = 1  # expert-parallel degree (divides dp; MoE models only)
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     recompute: str = "none"  # activation recomputation: none, selective, full
-    offload: bool = False  # optimizer states (and the update) on the host
+    offload: bool | str = False  # optimizer states (and the update) on the host: True; in files: "disk"
     schedule: str = "none"  # pipeline schedule: none (pp = 1), gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1  # model chunks per stage for the interleaved schedule
 
@@ -50,5 +50,5 @@ class Layout:
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}")
         if self.offload:
-            parts.append("offload")
+            parts.append("offload" if self.offload is True else f"offload={self.offload}")
         return " ".join(parts)

@@ -22,6 +22,22 @@ _OPTIMIZER_K = {
 }
 _PARAM_BYTES = {"mixed": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "host", "disk")
+# RAM that disk offload keeps while the update streams the state through it (tessera.zero.offload): at most
+# 3 chunks (the one written back, the one updated, the one read ahead) of fp32 master, exp_avg and exp_avg_sq
+# mapped in, plus 2 fp32 chunk temporaries of the update; chunks of the default zero.offload_chunk_mb = 16 MB
+DISK_STAGING_BYTES = (3 * 3 + 2) * 16 * 2**20
+
+
+def offload_kind(value) -> str:
+    """An offload setting (a Layout's, or ``zero.offload``) as "none", "host" or "disk" (True: host)."""
+    if value in (False, None, "", "none", "false"):
+        return "none"
+    if value in (True, "host", "true"):
+        return "host"
+    if value == "disk":
+        return "disk"
+    raise ValueError(f"offload must be one of {', '.join(OFFLOAD)} (or a boolean), got {value!r}")
 
 
 def _check_choice(name: str, value, allowed) -> None:

@@ -33,6 +33,7 @@ class SearchSpace:
     zero_stages: tuple = (0, 1, 2, 3)
     recompute: tuple = RECOMPUTES
     offload: bool = True
+    offload_to: tuple = (True,)  # an offloading layout's ``offload``: True (host memory) and/or "disk"
     # GPipe has 1F1B's bubble and holds more micro-batches, so it never wins; name it here to compare.
     schedules: tuple = ("1f1b", "interleaved", "zb-h1")
     micro_batches: tuple = MICRO_BATCHES
@@ -91,7 +92,7 @@ def enumerate_layouts(spec, gpus: int, global_batch: int, seq: int, gpus_per_nod
             m = global_batch // (dp * mb)
             for (sched, v), ep, sp, zero, rc in itertools.product(
                     list(_schedules(spec, pp, m, space)), eps, sps, zeros, space.recompute):
-                for off in ((False, True) if space.offload and zero >= 1 else (False,)):
+                for off in ((False, *space.offload_to) if space.offload and zero >= 1 else (False,)):
                     yield Layout(dp=dp, zero_stage=zero, pp=pp, tp=tp, sp=sp, cp=cp, ep=ep, micro_batch=mb,
                                  recompute=rc, offload=off, schedule=sched, virtual_stages=v)
 
@@ -105,15 +106,22 @@ def check_request(spec, gpu, gpus: int, global_batch: int, seq: int) -> None:
 
 def search(spec, gpu, gpus: int, global_batch: int, seq: int | None = None, *, precision: str = "mixed",
            optimizer: str = "adam", space: SearchSpace | None = None, top: int | None = None,
-           rule=None) -> Plan:
+           rule=None, host_counts: bool = False) -> Plan:
     """Rank every fitting layout by predicted step time. ``rule(layout) -> reason | None`` (the trainer's
     validity rule, see tessera.planner.trainable) drops the layouts it refuses; it is asked in rank order
-    and only until ``top`` layouts are accepted. Raises ConfigError when the batch divides no layout and
-    NoLayoutFits when none fits in memory, or none that fits is one the rule accepts."""
+    and only until ``top`` layouts are accepted. ``host_counts``: the device's memory is the host's (CPU
+    ranks), so a layout must fit its device and host bytes together. Raises ConfigError when the batch
+    divides no layout and NoLayoutFits when none fits in memory, or none that fits is one the rule
+    accepts."""
     seq = seq or spec.seq
     check_request(spec, gpu, gpus, global_batch, seq)
     limit = gpu.memory_bytes * gpu.usable_fraction
-    sized = [(memory_per_rank(spec, layout, global_batch, seq, precision, optimizer)[0]["total"], layout)
+
+    def resident(layout) -> float:
+        mem, host = memory_per_rank(spec, layout, global_batch, seq, precision, optimizer)
+        return mem["total"] + (host if host_counts else 0.0)
+
+    sized = [(resident(layout), layout)
              for layout in enumerate_layouts(spec, gpus, global_batch, seq, gpu.gpus_per_node, space)]
     if not sized:
         raise ConfigError(
@@ -124,7 +132,7 @@ def search(spec, gpu, gpus: int, global_batch: int, seq: int | None = None, *, p
                for total, layout in sized if total <= limit]
     if not fitting:
         smallest = _smallest(sized, rule)
-        need = memory_per_rank(spec, smallest, global_batch, seq, precision, optimizer)[0]["total"] / GB
+        need = resident(smallest) / GB
         raise NoLayoutFits(
             f"no layout fits: the smallest{' tessera train runs' if rule else ''} ({smallest.describe()}) "
             f"needs {need:.1f} GB per GPU and {gpu.name} has {limit / GB:.1f} GB usable")

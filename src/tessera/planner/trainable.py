@@ -13,11 +13,13 @@ The mapping, layout → settings (``dry_run.planner_layout`` is its inverse):
     schedule    pipeline.schedule; m = global_batch / (dp·micro_batch) → pipeline.microbatches;
                 virtual_stages → pipeline.virtual_stages      (pp > 1)
     micro_batch data.micro_batch_size;  recompute → checkpointing.mode;  offload → zero.offload
+                (True: host memory; "disk": files)
 """
 
 from __future__ import annotations
 
 from tessera.errors import ConfigError
+from tessera.planner.memory import offload_kind
 
 PRECISION_DTYPE = {"mixed": "bf16", "fp32": "fp32"}  # the planner's precision → precision.dtype
 
@@ -42,8 +44,19 @@ def layout_settings(layout, global_batch: int) -> dict:
     out["data.micro_batch_size"] = layout.micro_batch
     out["checkpointing.mode"] = layout.recompute
     if layout.zero_stage > 0:
-        out["zero.offload"] = layout.offload
+        out["zero.offload"] = offload_setting(layout.offload)
     return out
+
+
+def offload_setting(offload):
+    """A layout's ``offload`` as the value of ``zero.offload``: the default for none, "disk" for disk, and
+    host offload as the key spells it (``true``, or "host" where the key is a word)."""
+    from tessera.zero.config import ZeroConfig
+
+    default, kind = ZeroConfig().offload, offload_kind(offload)
+    if kind == "none":
+        return default
+    return kind if kind == "disk" or not isinstance(default, bool) else True
 
 
 def as_flags(settings: dict) -> list[str]:

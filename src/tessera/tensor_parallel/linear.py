@@ -2,7 +2,9 @@
 
 Legend: B batch, S sequence, I in features, O out features, N = tp group size. Each layer is built from
 a dense ``nn.Linear`` (``from_linear``) so every rank slices the same full weight and the sharded model
-starts equal to the dense one; parameters keep the dense names (``weight``, ``bias``).
+starts equal to the dense one; parameters keep the dense names (``weight``, ``bias``). A dense layer on the
+meta device gives a meta layer whose slices record their origin (``tessera.models.init.assign``): nothing
+is copied or allocated until the model is materialised.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.models.init import assign
 from tessera.tensor_parallel.regions import gather_seq, reduce_scatter_seq
 
 INPUT_MODES = ("replicated", "parallel", "sequence")
@@ -29,17 +32,18 @@ def is_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_parallel_sharded", False))
 
 
-def _shard_rows(weight: torch.Tensor, group: CommGroup, padded_rows: int | None = None) -> torch.Tensor:
-    """This rank's block of rows [O/N, I]; rows past the dense ones (vocabulary padding) are zero."""
+def _assign_rows(dest: torch.Tensor, weight: torch.Tensor, group: CommGroup,
+                 padded_rows: int | None = None) -> torch.Tensor:
+    """dest [O/N, ...] ← this rank's block of ``weight``'s rows; rows past the dense ones (vocabulary
+    padding) are zero. On the meta device dest only records where its values come from
+    (``tessera.models.init.assign``), so no rank ever copies or allocates the whole weight."""
     rows = padded_rows or weight.shape[0]
     if rows % group.size:
         raise ValueError(f"{rows} output features cannot be split evenly over {group.size} tp ranks")
     per = rows // group.size
-    out = weight.new_zeros((per, *weight.shape[1:]))
-    lo, hi = group.rank * per, min((group.rank + 1) * per, weight.shape[0])
-    if hi > lo:
-        out[: hi - lo] = weight[lo:hi]
-    return out
+    lo = group.rank * per
+    n = max(0, min(per, weight.shape[0] - lo))  # dense rows in this block, the rest is padding
+    return assign(dest, weight[lo : lo + n], rows=None if n == per else n)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -54,7 +58,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, bias: bool = False,
-                 input_mode: str = "replicated", gather_output: bool = False, padded_out: int | None = None):
+                 input_mode: str = "replicated", gather_output: bool = False, padded_out: int | None = None,
+                 device: torch.device | None = None):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
@@ -62,18 +67,19 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_padded = padded_out or out_features  # O rounded up to a multiple of N (vocab padding)
         per = self.out_padded // group.size
-        self.weight = mark_sharded(nn.Parameter(torch.empty(per, in_features)))
-        self.bias = mark_sharded(nn.Parameter(torch.zeros(per))) if bias else None
+        self.weight = mark_sharded(nn.Parameter(torch.empty(per, in_features, device=device)))
+        self.bias = mark_sharded(nn.Parameter(torch.zeros(per, device=device))) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: CommGroup, padded_out: int | None = None, **kw):
+        """This rank's rows of ``linear`` (on its device; on the meta device only their origin)."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    padded_out=padded_out, **kw)
+                    padded_out=padded_out, device=linear.weight.device, **kw)
         with torch.no_grad():
-            layer.weight.copy_(_shard_rows(linear.weight, group, padded_out))
+            _assign_rows(layer.weight, linear.weight, group, padded_out)
             if linear.bias is not None:
-                layer.bias.copy_(_shard_rows(linear.bias, group, padded_out))
-        return layer.to(linear.weight.device)
+                _assign_rows(layer.bias, linear.bias, group, padded_out)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_mode == "replicated":
@@ -101,7 +107,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, bias: bool = False,
-                 input_is_parallel: bool = True, output_mode: str = "reduce"):
+                 input_is_parallel: bool = True, output_mode: str = "reduce", device: torch.device | None = None):
         super().__init__()
         if output_mode not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
@@ -109,17 +115,19 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{in_features} input features cannot be split evenly over {group.size} tp ranks")
         self.group, self.input_is_parallel, self.output_mode = group, input_is_parallel, output_mode
         self.in_features, self.out_features = in_features, out_features
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // group.size)))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // group.size, device=device)))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: CommGroup, **kw):
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kw)
+        """This rank's columns of ``linear`` (on its device; on the meta device only their origin)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, **kw)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(group.size, dim=1)[group.rank])
+            assign(layer.weight, linear.weight.chunk(group.size, dim=1)[group.rank])
             if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer.to(linear.weight.device)
+                assign(layer.bias, linear.bias)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -176,7 +176,9 @@ def _apply_style(model, name, module, style, group, cfg, rng) -> None:
 
 def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParallelConfig | None = None,
                           plan: dict[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` (every tp rank holds the same dense weights) over ``group`` in place; return it.
+    """Shard ``model`` (every tp rank holds the same dense weights, or the same model on the meta device:
+    then each layer only records where its slice's values come from, and ``tessera.models.init.materialize``
+    allocates the slices alone) over ``group`` in place; return it.
 
     Afterwards ``model(tokens_BS)`` returns vocab-split logits [B, S, Vp/N]: use
     :class:`TensorParallelLoss` (or ``vocab_parallel_cross_entropy_sum``) as the loss.

@@ -14,7 +14,7 @@ from torch import nn
 from tessera import comm
 from tessera.comm import collectives as C
 from tessera.comm.group import CommGroup
-from tessera.tensor_parallel.linear import ColumnParallelLinear, _shard_rows, mark_sharded
+from tessera.tensor_parallel.linear import ColumnParallelLinear, _assign_rows, mark_sharded
 from tessera.tensor_parallel.regions import reduce_scatter_seq
 
 
@@ -31,21 +31,23 @@ class VocabParallelEmbedding(nn.Module):
     along the sequence; each rank's table gets gradient only for the ids it owns.
     """
 
-    def __init__(self, num_embeddings: int, dim: int, group: CommGroup, output_mode: str = "reduce"):
+    def __init__(self, num_embeddings: int, dim: int, group: CommGroup, output_mode: str = "reduce",
+                 device: torch.device | None = None):
         super().__init__()
         self.group, self.output_mode = group, output_mode
         self.num_embeddings, self.dim = num_embeddings, dim
         self.padded = padded_vocab(num_embeddings, group.size)
         self.per_rank = self.padded // group.size
         self.vocab_start = group.rank * self.per_rank
-        self.weight = mark_sharded(nn.Parameter(torch.zeros(self.per_rank, dim)))
+        self.weight = mark_sharded(nn.Parameter(torch.zeros(self.per_rank, dim, device=device)))
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group: CommGroup, **kw) -> VocabParallelEmbedding:
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group, **kw)
+        """This rank's rows of ``emb`` (on its device; on the meta device only their origin)."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group, device=emb.weight.device, **kw)
         with torch.no_grad():
-            layer.weight.copy_(_shard_rows(emb.weight, group, layer.padded))
-        return layer.to(emb.weight.device)
+            _assign_rows(layer.weight, emb.weight, group, layer.padded)
+        return layer
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         local_BS = tokens_BS - self.vocab_start
@@ -68,17 +70,24 @@ class VocabParallelHead(ColumnParallelLinear):
     def __init__(self, *args, vocab_size: int, **kw):
         super().__init__(*args, **kw)
         self.vocab_size = vocab_size
-        ids_v = torch.arange(self.group.rank * self.weight.shape[0], (self.group.rank + 1) * self.weight.shape[0])
-        self.register_buffer("padding_v", ids_v >= vocab_size, persistent=False)
+        self.init_buffers(self.weight.device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """``padding_v`` [v] (bool): which of this rank's columns are padding ids (also called by
+        ``tessera.models.init.materialize`` for a head built on the meta device)."""
+        v = self.weight.shape[0]
+        ids_v = torch.arange(self.group.rank * v, (self.group.rank + 1) * v, device=device)
+        self.register_buffer("padding_v", ids_v >= self.vocab_size, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: CommGroup, **kw):
+        """This rank's vocabulary rows of ``linear`` (on its device; on the meta device only their origin)."""
         padded = padded_vocab(linear.out_features, group.size)
         head = cls(linear.in_features, linear.out_features, group, bias=False, padded_out=padded,
-                   vocab_size=linear.out_features, **kw)
+                   vocab_size=linear.out_features, device=linear.weight.device, **kw)
         with torch.no_grad():
-            head.weight.copy_(_shard_rows(linear.weight, group, padded))
-        return head.to(linear.weight.device)
+            _assign_rows(head.weight, linear.weight, group, padded)
+        return head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)

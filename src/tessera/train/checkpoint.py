@@ -20,12 +20,18 @@ from tessera.comm.group import CommGroup
 def save_training_state(path: Path, meta: dict, core: nn.Module, optimizer, engine, topology) -> Path:
     """Collective over the world: every rank writes its pieces into checkpoint ``path``."""
     pieces = state_pieces(core, optimizer, topology, engine)
-    return save_pieces(path, pieces, meta, topology.group("world"))
+    saved = save_pieces(path, pieces, meta, topology.group("world"))
+    settle = getattr(optimizer, "settle", None)  # disk offload: the save read the state files; unmap them
+    if settle is not None:
+        settle()
+    return saved
 
 
 def load_training_state(path: Path, core: nn.Module, optimizer, engine, topology) -> dict:
     """Collective over the world: fill this rank's model and optimizer state from ``path`` (whatever
-    layout wrote it); returns the checkpoint's ``meta``."""
+    layout wrote it); returns the checkpoint's ``meta``. ``core`` is the model as this rank holds it
+    (materialised slices, or ZeRO shards): each piece is a view of live storage and DCP reads only the
+    parts of the saved tensors that overlap it, so no rank ever holds a whole model."""
     meta = load_pieces(path, state_pieces(core, optimizer, topology, engine), topology.group("world"))
     finish_load(core, optimizer, engine)
     return meta

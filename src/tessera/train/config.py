@@ -45,6 +45,7 @@ from tessera.train.data import DataConfig
 from tessera.train.optim import OptimConfig
 from tessera.train.settings import check_finite, check_settings_take_effect
 from tessera.zero.config import ZeroConfig
+from tessera.zero.offload.check import check_disk_offload
 from tessera.zero.validate import validate_memory_savers
 
 
@@ -57,6 +58,7 @@ class RunConfig:
     device: str = "cpu"  # "cpu", "cuda" or "auto" (an accelerator when present)
     progress: bool = True  # progress bar on rank 0
     max_restarts: int = 0  # elastic restarts of the local ranks tessera spawns (under torchrun: --max-restarts)
+    check_memory: bool = True  # refuse, before launch, a job whose predicted peak memory per rank exceeds the machine's
 
     def validate(self) -> RunConfig:
         if self.nproc < 1:
@@ -187,6 +189,7 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
             f"data.micro_batch_size={cfg.data.micro_batch_size} × data-parallel degree {dp_size}"
         )
     validate_memory_savers(cfg)
+    check_disk_offload(cfg, dp, world_size)  # zero.offload="disk": the folder and the room on its disk
     validate_strategies(cfg, dp)
     if cfg.checkpoint.resume == "auto" and not cfg.run.name:
         raise ConfigError("checkpoint.resume=auto needs run.name, so that a restarted job finds its run folder")

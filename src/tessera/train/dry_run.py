@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tessera.planner import Layout, from_model_config
 from tessera.planner.estimate import stage_memory
+from tessera.planner.memory import offload_kind
 from tessera.topology import GRID_AXES, ParallelConfig, Topology
 
 SHOWN_RANKS = 64  # larger worlds print the first and last half of this many ranks
@@ -36,13 +37,21 @@ def planner_layout(cfg, par: ParallelConfig) -> tuple[Layout, int, list[str]]:
             notes.append(f"{cfg.pipeline.schedule}: counted as 1F1B; its stashed weight versions are not included")
     if cfg.checkpointing.mode != "none" and cfg.checkpointing.every > 1:
         notes.append(f"checkpointing.every={cfg.checkpointing.every}: counted as if every block were checkpointed")
+    if par.zero_stage == 3 and not cfg.zero.reshard_after_forward:
+        notes.append("zero.reshard_after_forward=false: units stay gathered from forward to backward, "
+                     "which is not counted (the planner counts two gathered units)")
     if cfg.model.num_experts and par.tp > 1:
         notes.append("experts are replicated over tp here; the planner splits them over tp")
     layout = Layout(dp=dp, zero_stage=par.zero_stage, pp=par.pp, tp=par.tp,
                     sp=cfg.tensor_parallel.sequence_parallel and par.tp > 1, cp=par.cp, ep=par.ep,
-                    micro_batch=micro, recompute=cfg.checkpointing.mode, offload=cfg.zero.offload,
+                    micro_batch=micro, recompute=cfg.checkpointing.mode, offload=_offload(cfg.zero.offload),
                     schedule=schedule, virtual_stages=virtual)
     return layout, batch, notes
+
+
+def _offload(value):
+    """``zero.offload`` as a Layout's ``offload``: False, True (host memory) or "disk"."""
+    return {"none": False, "host": True, "disk": "disk"}[offload_kind(value)]
 
 
 def predicted_memory(cfg, par: ParallelConfig) -> tuple[list[dict], list[str]]:
@@ -104,8 +113,10 @@ def _rank_table(par: ParallelConfig, memory: list[dict]) -> list[str]:
     return ["ranks (coordinate on each axis; memory of the rank's pipeline stage):", head, *body]
 
 
-def describe_job(cfg, par: ParallelConfig, world: int, run_dir: Path, resume: Path | None) -> str:
-    """The dry-run report of a collective-training job resolved to ``par`` on ``world`` ranks."""
+def describe_job(cfg, par: ParallelConfig, world: int, run_dir: Path, resume: Path | None,
+                 memory_check: str = "") -> str:
+    """The dry-run report of a collective-training job resolved to ``par`` on ``world`` ranks;
+    ``memory_check``: the verdict of the memory check before launch (``tessera.train.memory_check``)."""
     m = cfg.model
     degrees = " ".join(f"{a}={getattr(par, a)}" for a in (*GRID_AXES, "ep") if getattr(par, a) > 1) or "one process"
     pipeline = (f", pipeline {cfg.pipeline.schedule} with {cfg.pipeline.microbatches} micro-batches"
@@ -121,7 +132,8 @@ def describe_job(cfg, par: ParallelConfig, world: int, run_dir: Path, resume: Pa
         f"layout:     {world} rank(s): {degrees}; zero_stage={par.zero_stage}; order {par.order}{pipeline}",
         f"run folder: {run_dir}",
         f"resume:     {resume if resume is not None else 'none (a fresh start)'}",
-        "", *_memory_table(memory), *(f"  note: {n}" for n in notes), "", *_rank_table(par, memory),
+        "", *_memory_table(memory), *(f"  note: {n}" for n in notes), *([memory_check] if memory_check else []),
+        "", *_rank_table(par, memory),
     ]
     return "\n".join(lines)
 

@@ -14,11 +14,13 @@ the part of the model this stage holds, by the same function and in the same ord
   run equals one process whose ``data.micro_batch_size`` is that many sequences.
 
 The data-parallel side (gradient reduction over dp × cp, ZeRO, mixed-precision master weights) is applied
-by ``tessera.train.pipeline_step`` to all of this rank's stages at once, in manual mode.
+by ``tessera.train.pipeline_step`` to all of this rank's stages at once, in manual mode. A stage cut from a
+model on the meta device is materialised here, after its model-side strategies (ZeRO-3 excepted: its
+engine fills its shards from the meta stage).
 
 Interface used by ``PipelineStep``::
 
-    prepare = stage_preparer(topology, settings, loss_weight)   # prepare(stage) -> stage
+    prepare = stage_preparer(topology, settings, loss_weight, device)   # prepare(stage) -> stage
     split = sequence_split(topology, settings)                   # activation_BsD between stages: s = S/split
 
 ``settings`` carries the job's config sections (``tensor_parallel``, ``context_parallel``, ``checkpointing``,
@@ -37,18 +39,24 @@ from torch import nn
 
 from tessera.context_parallel import zigzag_positions
 from tessera.models.moe import moe_layers, moe_loss_sum
-from tessera.parallelize import parallelize_model_side
+from tessera.parallelize import materialize_unless_sharded, parallelize_model_side
 
 
-def stage_preparer(topology, settings, loss_weight: Callable[[], float] | None = None):
+def stage_preparer(topology, settings, loss_weight: Callable[[], float] | None = None,
+                   device: torch.device | None = None):
     """``prepare(stage) -> stage`` for ``build_pipeline`` (in place; a plain layout changes nothing).
-    Without ``loss_weight`` a stage's routing losses get weight 1 (a caller whose loss is not divided)."""
+    Without ``loss_weight`` a stage's routing losses get weight 1 (a caller whose loss is not divided).
+    A stage cut from a meta-device model is materialised on ``device`` (default: the topology's) once
+    the model-side strategies have claimed their parts, unless ZeRO-3 fills it (see
+    ``tessera.parallelize.materialize_unless_sharded``)."""
     weight = loss_weight or (lambda: 1.0)
+    device = device if device is not None else topology.device
 
     def prepare(stage: nn.Module) -> nn.Module:
         parallelize_model_side(stage, topology, tensor_parallel=getattr(settings, "tensor_parallel", None),
                                context_parallel=getattr(settings, "context_parallel", None),
                                recompute=getattr(settings, "checkpointing", None))
+        materialize_unless_sharded(stage, topology, device)
         split = sequence_split(topology, settings)
         if split > 1 and stage.tok_embeddings is None:
             # first, so that context parallelism's own hook finds the positions given

@@ -67,8 +67,10 @@ from tessera.zero.build import shard_model
 
 
 class PipelineStep:
-    """This rank's stages of ``model`` (a seeded reference Transformer identical on every rank), run by the
-    schedule of ``cfg`` over the topology's "pp" group, replicated over its data-parallel ranks (dp × cp).
+    """This rank's stages of ``model`` (a seeded reference Transformer identical on every rank, real or on
+    the meta device: then each stage is allocated on ``device`` only after its model-side strategies, and
+    under ZeRO-3 only the engine's shards are), run by the schedule of ``cfg`` over the topology's "pp"
+    group, replicated over its data-parallel ranks (dp × cp).
 
     The adapter owns its optimizer (``self.optimizer``, AdamW from ``optim_cfg`` over this rank's stage
     parameters, or the engine's over its master shards): PipeDream async updates inside the schedule,
@@ -101,7 +103,7 @@ class PipelineStep:
         settings = SimpleNamespace(tensor_parallel=tensor_parallel, context_parallel=context_parallel,
                                    checkpointing=checkpointing, precision=self.precision,
                                    model=model_config if model_config is not None else model.cfg, moe=moe)
-        prepare = stage_preparer(topology, settings, self.loss_weight)
+        prepare = stage_preparer(topology, settings, self.loss_weight, self.device)
         self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
                                              on_step=self._on_step if self.steps_inside else None,
                                              prepare_stage=prepare, seq_split=sequence_split(topology, settings),

@@ -119,8 +119,11 @@ def check_before_launch(cfg) -> Path | None:
     path = find_resume(cfg.checkpoint.resume, (run_dir or Path(".")) / cfg.checkpoint.folder)
     if path is None:
         return None
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = Transformer(cfg.model, cfg.moe)
+    # the names and single-process shapes a load asks for: a model on the meta device allocates nothing
+    # (and with the run's seed draws nothing from torch's generator). The ranks then load straight into
+    # what each holds (``tessera.train.checkpoint``); no process ever builds the whole model.
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
     # the optimizer the trainer builds; its state keys and shapes are what a load asks for (sharded
     # engines hold the same tensors under the same single-process names, in slices)
     verify(path, state_pieces(model, build_optimizer(model, cfg.optim)))

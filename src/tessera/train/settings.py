@@ -142,6 +142,8 @@ SCOPES: tuple[Scope, ...] = (
     Scope(_keys("zero.min_params"), lambda c, p: p.zero_stage == 3 and c.zero.wrap_policy == "size",
           "to ZeRO-3 with zero.wrap_policy='size'",
           lambda c, p: f"parallel.zero_stage={p.zero_stage}, zero.wrap_policy={c.zero.wrap_policy!r}"),
+    Scope(_keys("zero.offload_dir", "zero.offload_chunk_mb"), lambda c, p: c.zero.offload == "disk",
+          "with disk offload (zero.offload='disk')", lambda c, p: f"zero.offload={str(c.zero.offload)!r}"),
     Scope(_keys("ddp"), _ddp, "when DDP reduces the gradients", _no_ddp),
     Scope(_keys("precision.init_scale", "precision.growth_interval"), _dynamic,
           "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",

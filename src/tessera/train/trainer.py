@@ -19,6 +19,7 @@ from tessera import comm
 from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
 from tessera.models import Transformer
+from tessera.models.init import check_materialized
 from tessera.grad_norm import clip_grad_norm
 from tessera.parallelize import is_sharded, norm_axes, parallelize, sharded_axes
 from tessera.precision import LossScaler, unscale_
@@ -34,6 +35,7 @@ from tessera.train.optim import build_optimizer, build_scheduler, optimizer_fact
 from tessera.train.rundir import resolve_run_dir
 from tessera.train.step import evaluate, forward_backward
 from tessera.train.strategies import loss_function, shard_step, tokens_group
+from tessera.zero.offload.check import with_offload_folder
 
 
 @dataclass
@@ -48,6 +50,15 @@ class Interval:
     skipped_at: list = field(default_factory=list)  # steps skipped on inf/nan gradients (loss scaling)
 
 
+def meta_model(cfg: JobConfig) -> Transformer:
+    """The job's model described on the meta device, nothing allocated: every strategy claims its part
+    (stages, tp slices, experts), then each rank allocates and fills only what it holds
+    (``tessera.parallelize`` / the pipeline; ZeRO-3 its flat shards), with the values one process has:
+    a function of (``run.seed``, parameter name) only (``tessera.models.init``)."""
+    with torch.device("meta"):
+        return Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device):
         self.cfg = cfg
@@ -57,15 +68,16 @@ class Trainer:
         self.world = self.topology.group("world")
         self.dp = self.topology.group("dp")  # data-parallel coordinate: which slice of the batch
         self.is_main = self.topology.rank == 0
-        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank (DDP also broadcasts)
-        self.core = Transformer(cfg.model, cfg.moe).to(device)
+        torch.manual_seed(cfg.run.seed)  # the same random streams (dropout) on every rank
+        self.core = meta_model(cfg)  # each rank allocates only what it holds, in parallelize / the pipeline
         self.n_params = sum(p.numel() for p in self.core.parameters())  # before ZeRO-3 / tp / ep shard them
         self.engine = self.pipe = None
+        self.zero_cfg = with_offload_folder(cfg.zero, cfg)  # disk offload: "" becomes <run.out_dir>/offload
         if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
             from tessera.train.pipeline_step import PipelineStep
 
             self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
-                                     tensor_parallel=cfg.tensor_parallel, zero=cfg.zero, ddp=cfg.ddp,
+                                     tensor_parallel=cfg.tensor_parallel, zero=self.zero_cfg, ddp=cfg.ddp,
                                      precision=cfg.precision, context_parallel=cfg.context_parallel,
                                      checkpointing=cfg.checkpointing, model_config=cfg.model,
                                      moe=cfg.moe)  # the model-side strategies per stage; dp: ddp or ZeRO
@@ -73,7 +85,7 @@ class Trainer:
             self.engine = self.pipe.engine  # ZeRO / master weights: stepped like any sharded engine
             self.optimizer = self.pipe.optimizer
         else:
-            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=cfg.zero, precision=cfg.precision,
+            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=self.zero_cfg, precision=cfg.precision,
                                      recompute=cfg.checkpointing,
                                      param_groups=lambda m: param_groups(m, cfg.optim),  # after tp
                                      make_optimizer=optimizer_factory(cfg.optim),
@@ -82,6 +94,7 @@ class Trainer:
             # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
             self.engine = self.model if is_sharded(self.model) else None
             self.optimizer = self.engine.optimizer if self.engine else build_optimizer(self.core, cfg.optim)
+        check_materialized(self.model)  # every strategy allocated what it claimed on the meta model
         self.tokens_group = tokens_group(self.topology, self.core)  # ranks holding different tokens: dp × cp (× nd)
         self.loss_fn = loss_function(self.topology, self.core)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)

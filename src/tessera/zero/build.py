@@ -11,7 +11,8 @@ from torch import nn
 from tessera.comm.group import CommGroup
 from tessera.precision.config import PrecisionConfig
 from tessera.topology import Topology
-from tessera.zero.config import ZeroConfig
+from tessera.zero.config import OffloadMode, ZeroConfig
+from tessera.zero.offload import OffloadFolder, chunk_elements
 from tessera.zero.stage12 import ZeroDataParallel
 from tessera.zero.stage3 import FullyShardedDataParallel
 from tessera.zero.wrap import Policy, class_policy, manual_policy, size_policy
@@ -73,14 +74,29 @@ def build_engine(model: nn.Module, param_groups: list[dict], make_optimizer, sha
     """The engine of ``stage`` over the parameters of ``param_groups`` (a subset of ``model``'s, e.g. only
     the experts), sharded over ``shard`` and replicated over ``replicate``; stage 0 is ZeRO-1's engine
     over a shard group of one (fp32 master weights, gradients all-reduced over ``replicate``)."""
-    offload = torch.device("cpu") if zero.offload else None
+    mode = OffloadMode(zero.offload)
+    offload = torch.device("cpu") if mode != "none" else None  # "disk": the host runs the step, as for "host"
     dtypes = dict(param_dtype=precision.param_dtype, reduce_dtype=precision.grad_reduce_dtype,
                   offload_device=offload)
     extra = dict(norm_axes=norm_axes, param_axes=param_axes)
     if stage <= 2:
-        return ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, max(stage, 1),
-                                bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
-    return FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
-                                    wrap_policy(zero, block_class, model), device,
-                                    reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
-                                    manual=manual, **dtypes, **extra)
+        engine = ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, max(stage, 1),
+                                  bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
+        return offload_to_disk(engine, zero) if mode == "disk" else engine
+    engine = FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
+                                      wrap_policy(zero, block_class, model), device,
+                                      reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
+                                      manual=manual, **dtypes, **extra)
+    return offload_to_disk(engine, zero) if mode == "disk" else engine
+
+
+def offload_to_disk(engine: nn.Module, zero: ZeroConfig) -> nn.Module:
+    """``zero.offload = "disk"``: the engine's fp32 masters and optimizer state move into files of a fresh
+    folder of this process under ``zero.offload_dir`` ("": ``offload`` in the working directory; the
+    trainer's validation makes it ``<run.out_dir>/offload``), streamed by a
+    :class:`~tessera.zero.offload.StreamedAdamW`."""
+    rank = engine.update.shard_group.global_rank  # names the folder only
+    folder = OffloadFolder(zero.offload_dir or "offload", rank, chunk_elements(zero.offload_chunk_mb))
+    engine.optimizer = None  # the in-RAM optimizer's hold on the masters goes before they move
+    engine.optimizer = engine.update.offload_to_disk(folder)
+    return engine

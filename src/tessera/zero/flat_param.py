@@ -5,7 +5,20 @@ to end in a padded flat buffer of P elements, of which each rank keeps only its 
 module's parameters are set to views of it before each use, so autograd accumulates their gradients
 into ``full.grad``, and a post-accumulate hook on ``full`` fires once the whole unit's backward is done.
 Freeing is ``storage.resize_(0)``: tensors autograd saved during forward keep pointing at the same
-storage, which the backward all-gather refills in place (the same trick as torch FSDP).
+storage, which the backward all-gather refills in place (the same trick as torch FSDP). ``full`` is
+created without storage (no [P] allocation at construction) and gets it at the first gather.
+
+Where the shard's values come from. Real parameters (a model built whole): flattened to fp32 and
+broadcast from global rank 0, so every replica starts from rank 0's weights. Meta parameters (a model
+described on the meta device, each parameter carrying its initial-value origin,
+``tessera.models.init``): this rank fills only its slice [rank·n, (rank+1)·n) of the padded buffer,
+parameter by parameter, chunk by chunk, from the origins; the values equal one process's on every rank
+by construction, so nothing is broadcast and no rank ever holds the unit, let alone the model.
+
+Dtypes (``dtype`` = the compute dtype, e.g. bf16): ``shard.param`` [n] and the gathered ``full`` [P]
+and its gradient ``full.grad`` [P] are in ``dtype`` (the all-gather moves 2 bytes per element in bf16);
+``shard.master`` [n] is fp32 (the shard itself in fp32 without offload); the reduced ``shard.grad`` [n]
+is in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.models.init import origin_of
 from tessera.zero.flat import flatten_fp32, offsets_of, padded_size, rank_slice
 from tessera.zero.reduce import SliceReduction, accumulate
 from tessera.zero.shards import Shard, make_master
@@ -30,19 +44,18 @@ class FlatParam:
         self.shapes = [p.shape for p in params]
         self.offsets, total = offsets_of(params)
         self.group_shard, self.device, self.dtype = shard, device, dtype
-        with torch.no_grad():
-            flat32 = flatten_fp32(params, self.offsets, padded_size(total, shard.size))
-            comm.broadcast(flat32, replicate, src=0)  # global rank 0's weights everywhere
-            comm.broadcast(flat32, shard, src=0)
-            mine32 = rank_slice(flat32, shard.rank, shard.size).clone()
+        self.size = padded_size(total, shard.size)
         home = offload_device or device  # where the shard lives between uses
-        param_shard = mine32.to(home, dtype=dtype, copy=dtype != torch.float32 or home != device)
+        with torch.no_grad():
+            if any(p.is_meta for p in params):
+                mine32 = self._shard_from_origins(params, home)
+            else:
+                mine32 = self._shard_from_broadcast(params, replicate)
+        param_shard = mine32.to(home, dtype=dtype)  # mine32 itself when fp32 and already home
         master = make_master(param_shard if dtype == torch.float32 else mine32,
                              None if dtype == torch.float32 else offload_device)
         self.shard = Shard(group, param_shard, master)
-        self.size = flat32.numel()
-        self.full = torch.empty(self.size, dtype=dtype, device=device).requires_grad_(True)
-        self._free()
+        self.full = _without_storage(self.size, dtype, device).requires_grad_(True)
         self.pending = None  # handle of an in-flight all-gather
         self.gathered = False
         self.reduced = False  # its gradient's reduce-scatter was launched in the current backward
@@ -50,6 +63,29 @@ class FlatParam:
             for owner, attr in locs:
                 owner._parameters.pop(attr, None)  # the module now holds views, set before each use
                 setattr(owner, attr, None)
+
+    def _shard_from_broadcast(self, params: list[torch.Tensor], replicate: CommGroup) -> torch.Tensor:
+        """Real parameters: the whole unit in fp32 [P], global rank 0's everywhere; this rank's slice [n]."""
+        flat32 = flatten_fp32(params, self.offsets, self.size)
+        comm.broadcast(flat32, replicate, src=0)  # global rank 0's weights everywhere
+        comm.broadcast(flat32, self.group_shard, src=0)
+        return rank_slice(flat32, self.group_shard.rank, self.group_shard.size).clone()
+
+    def _shard_from_origins(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Meta parameters: this rank's slice [n] (fp32, zeros in the padding) filled from the origins of
+        the parameters that overlap it, one chunk at a time."""
+        n = self.size // self.group_shard.size
+        lo = self.group_shard.rank * n
+        out = torch.zeros(n, dtype=torch.float32, device=device)
+        for p, name, offset in zip(params, self.names, self.offsets):
+            origin = origin_of(p)
+            if not p.is_meta or origin is None:
+                raise ValueError(f"ZeRO-3: parameter {name} must be on the meta device with an initial-value "
+                                 f"origin like the rest of its unit (tessera.models.init)")
+            a, b = max(offset, lo), min(offset + p.numel(), lo + n)
+            if a < b:
+                origin.fill_(out[a - lo : b - lo], start=a - offset)
+        return out
 
     # ---- gather / free -------------------------------------------------------------------------
     def _free(self) -> None:
@@ -113,3 +149,11 @@ class FlatParam:
         if not was:
             self.reshard()
         return out
+
+
+def _without_storage(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [size] tensor whose storage holds 0 bytes until ``untyped_storage().resize_``. Not ``set_``:
+    it grows the storage to the size (an allocation of the whole unit); a view op with explicit sizes
+    does not check the storage's bounds, and ``detach`` makes it a leaf of its own."""
+    empty = torch.empty(0, dtype=dtype, device=device)
+    return torch.ops.aten._reshape_alias(empty, (size,), (1,)).detach()

@@ -6,6 +6,11 @@ unit): ``param`` is the compute-dtype slice that is all-gathered, ``grad`` the r
 ``master`` *is* ``param`` (no copy); with mixed precision or offload it is a separate fp32 tensor,
 on the host when offloading. Any optimizer whose update is elementwise (AdamW, SGD, Adagrad) gives the
 same result on the slices as on the whole tensors, so sharding does not change the math.
+
+Disk offload (:meth:`ShardedUpdate.offload_to_disk`, ``tessera.zero.offload``): each master moves into a
+file (``param`` stays in RAM, a separate tensor even in fp32) and the optimizer becomes a
+:class:`~tessera.zero.offload.StreamedAdamW`, whose step streams masters and state through a few chunk
+buffers and refreshes ``param`` chunk by chunk as it goes; the master gradients stay in RAM.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.grad_norm import GradPiece, clip_grad_norm
 from tessera.precision.unscale import agree_finite, nonfinite
+from tessera.zero.offload import OffloadFolder, disk_master, for_disk_masters, on_disk
 
 
 @dataclass(eq=False)
@@ -61,12 +67,30 @@ class ShardedUpdate:
         self.shard_group = shard_group
         self.norm_axes = {"dp_shard": shard_group, **(norm_axes or {})}
         self.check_groups = check_groups
-        groups = [{"params": [s.master for s in shards if s.param_group == g], **opts}
-                  for g, opts in enumerate(group_options)]
+        self.group_options, self.make_optimizer = group_options, make_optimizer
+        self.optimizer = self._build_optimizer()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer | None:
+        groups = [{"params": [s.master for s in self.shards if s.param_group == g], **opts}
+                  for g, opts in enumerate(self.group_options)]
         groups = [g for g in groups if g["params"]]
         # no shards (e.g. the expert part of a pipeline stage without MoE layers): no optimizer, yet the
         # finiteness and norm collectives below still run, so every rank of the job issues them alike
-        self.optimizer = make_optimizer(groups) if groups else None
+        return for_disk_masters(self.make_optimizer(groups)) if groups else None
+
+    @torch.no_grad()
+    def offload_to_disk(self, folder: OffloadFolder) -> torch.optim.Optimizer | None:
+        """Move every master into a file of ``folder``, one shard at a time (each in-RAM master is freed
+        once copied), and rebuild the optimizer over them as a streaming one; returns it. Call before
+        the first step, with no optimizer state yet."""
+        self.optimizer = None  # it holds the masters in RAM: drop it so that each is freed as it moves
+        for s in self.shards:
+            s.master = disk_master(s.master, s.param, folder)
+        self.optimizer = self._build_optimizer()
+        ensure_files = getattr(self.optimizer, "ensure_state", None)
+        if ensure_files is not None:  # the moments' files now: a full disk is an error at start, not in a step
+            ensure_files()
+        return self.optimizer
 
     @torch.no_grad()
     def prepare_grads(self, inv_scale: float) -> bool:
@@ -109,8 +133,8 @@ class ShardedUpdate:
     @torch.no_grad()
     def refresh_params(self) -> None:
         """The compute-dtype shards take the masters' values (where they are separate tensors)."""
-        for s in self.shards:
-            if s.master.data_ptr() != s.param.data_ptr():
+        for s in self.shards:  # a file-backed master's shard was refreshed by the streaming step itself
+            if s.master.data_ptr() != s.param.data_ptr() and not on_disk(s.master):
                 s.param.copy_(s.master.detach(), non_blocking=True)
 
     def zero_grad(self) -> None:
@@ -121,8 +145,11 @@ class ShardedUpdate:
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Model-state tensors this rank holds, by MemoryLedger category (masters count as optimizer
-        state when they are separate from the parameters, as in the ZeRO paper's K)."""
-        masters = [s.master for s in self.shards if s.master.data_ptr() != s.param.data_ptr()]
-        states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        state when they are separate from the parameters, as in the ZeRO paper's K). File-backed masters
+        and state (disk offload) are not held in RAM and are not listed."""
+        masters = [s.master for s in self.shards if s.master.data_ptr() != s.param.data_ptr()
+                   and not on_disk(s.master)]
+        states = [v for st in self.optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and not on_disk(v)]
         return {"params": [s.param for s in self.shards], "grads": [s.grad for s in self.shards],
                 "optimizer": masters + states}

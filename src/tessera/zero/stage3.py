@@ -2,12 +2,33 @@
 
 Per unit (a module chosen by a wrap policy; the root takes the rest) and per optimizer param group,
 one :class:`FlatParam`. Forward communication: an all-gather of the unit's parameters just before its
-forward (the next unit's all-gather is started right after, so it overlaps this unit's compute), freed
-after the forward when ``reshard_after_forward``. Backward communication: the all-gather again just
-before the unit's backward (prefetching the unit before it), then one reduce-scatter (sum) of the
-unit's gradient as soon as its backward ends, and, with hybrid sharding, an all-reduce of the slice
-over ``dp_replicate`` (ZeRO's one slice reduction, ``tessera.zero.reduce``). Per step: 2 all-gathers +
-1 reduce-scatter = 1.5× DDP's bytes.
+forward (the all-gathers of the next ``prefetch`` units in forward order are started right after, so
+they overlap this unit's compute), freed after the forward when ``reshard_after_forward``. Backward
+communication: the all-gather again just before the unit's backward (prefetching the ``prefetch`` units
+before it whose backward is still to come), then one reduce-scatter (sum) of the unit's gradient as soon
+as its backward ends, and, with hybrid sharding, an all-reduce of the slice over ``dp_replicate``
+(ZeRO's one slice reduction, ``tessera.zero.reduce``). Per step: 2 all-gathers + 1 reduce-scatter =
+1.5× DDP's bytes.
+
+Memory bound: with ``reshard_after_forward`` at most ``prefetch`` + 1 units other than the root are
+gathered at once, in forward and in backward (``prefetch`` = 0: only the unit computing; the forward
+order is learnt in the first forward, which therefore prefetches nothing). The root unit's forward
+encloses every other unit's, so it stays gathered through the forward until its gradient is reduced
+(with the ``block`` wrap policy it holds only the final norm). ``reshard_after_forward=False`` (per
+unit through ``wrap()``, or for all) keeps a unit gathered from its forward to its backward: one
+all-gather per step instead of two, and every such unit's full parameters held between the passes.
+
+Dtypes, with parameters in a low precision (``param_dtype`` bf16 / fp16): the shard ``shard.param`` [n],
+the all-gathered unit ``full`` [P] and its gradient ``full.grad`` [P] are in ``param_dtype`` (an
+all-gather moves 2 bytes per parameter, not 4); the gradient is reduce-scattered in ``reduce_dtype``
+(cast first when it differs) into ``shard.grad`` [n]; the fp32 master ``shard.master`` [n] is what the
+optimizer steps, and ``shard.param`` takes its rounded values after each step.
+
+Built from the meta device: parameters on the meta device that carry an initial-value origin
+(``tessera.models.init``) are never allocated whole. Each :class:`FlatParam` fills only this rank's slice
+from the origins (no broadcast: every rank computes the same values), and what no flat holds (parameters
+that need no gradient) is materialised once every trainable parameter of the module has been taken
+by an engine (with expert parallelism, after the second, expert engine); buffers first of all.
 
 Why not the data-parallel reducer's buckets and in-order launch (``tessera.data_parallel.reducer``,
 which ZeRO-1/2 use): here a unit's gradient arrives already flat in ``full.grad`` (the unit is the
@@ -37,6 +58,7 @@ import torch
 from torch import nn
 
 from tessera.comm.group import CommGroup
+from tessera.models.init import materialize, materialize_buffers
 from tessera.zero.flat import named_params_by_id, slice_segments
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.reduce import SliceReduction
@@ -78,24 +100,30 @@ class Unit:
         for f in self.flats:
             f.use_views()
 
+    def done_backward(self) -> bool:
+        """Every flat's gradient of the current backward was reduced (the unit is not needed again)."""
+        return all(f.reduced for f in self.flats)
+
 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 around ``module``: ``policy`` picks the units (see ``tessera.zero.wrap``)."""
 
     def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
                  replicate: CommGroup, policy: Policy, device: torch.device,
-                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 reshard_after_forward: bool = True, prefetch: int = 1,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
                  offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
                  param_axes=None, manual: bool = False):
-        """``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath).
+        """``prefetch``: how many units ahead to gather (0 = none; ``True``/``False`` read as 1/0).
+        ``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath).
         ``manual``: reduce only in :meth:`reduce_gradients` (see the module docstring)."""
         super().__init__()
         self.module, self.manual = module, manual
         self.shard_group, self.replicate_group = shard, replicate
         self.reduce_dtype = reduce_dtype or param_dtype
         self.reduction = SliceReduction(shard, replicate, self.reduce_dtype)
-        self.prefetch = prefetch and not manual
+        self.prefetch = 0 if manual else int(prefetch)
+        materialize_buffers(module, device)  # before the flats take the parameters its hooks may read
         group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
         names = named_params_by_id(module)
         modules = select_units(module, policy)
@@ -131,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
         self.update = ShardedUpdate([f.shard for f in self.flats], options, make_optimizer, shard,
                                     [shard, replicate, *(norm_axes or {}).values()], device, norm_axes)
         self.optimizer = self.update.optimizer
+        _materialize_rest(module, device)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -143,8 +172,8 @@ class FullyShardedDataParallel(nn.Module):
         unit.use_views()
         if self.prefetch and not unit.in_backward:
             i = self.order.index(unit)
-            if i + 1 < len(self.order):
-                self.order[i + 1].gather(async_op=True)
+            for ahead in self.order[i + 1 : i + 1 + self.prefetch]:
+                ahead.gather(async_op=True)
 
     def _post_forward(self, unit: Unit, out):
         if unit.in_backward:  # a recomputation inside backward: keep the parameters for the backward
@@ -171,9 +200,11 @@ class FullyShardedDataParallel(nn.Module):
         unit.gather()
         unit.use_views()
         if self.prefetch and unit in self.order:
-            i = self.order.index(unit)
-            if i > 0:
-                self.order[i - 1].gather(async_op=True)
+            # the units whose backward comes next: earlier in forward order, gradient not yet reduced
+            # (e.g. the root, whose final norm's gradient arrives first, is not gathered again)
+            before = [u for u in reversed(self.order[: self.order.index(unit)]) if not u.done_backward()]
+            for behind in before[: self.prefetch]:
+                behind.gather(async_op=True)
 
     def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
         if self.manual:  # the gradient stays in full.grad, accumulating until reduce_gradients
@@ -310,3 +341,12 @@ def _owning_units(root: nn.Module, units: list[nn.Module]) -> dict:
 
     visit(root, root)
     return found
+
+
+def _materialize_rest(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta parameters no flat holds (those needing no gradient) on ``device`` from their
+    origins, once no trainable meta parameter is left: with expert parallelism the dense engine is built
+    first and leaves the experts' to the expert engine, which then materialises the rest."""
+    if any(p.is_meta and p.requires_grad for p in module.parameters()):
+        return
+    materialize(module, device)

@@ -17,6 +17,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.models.init import assign
 from tessera.models.layers import apply_rope, repeat_kv
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.cube import Linear3D
@@ -97,9 +98,11 @@ class NormND(nn.Module):
     def __init__(self, norm: nn.Module, layout: Layout, dim: int):
         super().__init__()
         self.layout, self.eps, self.dim = layout, norm.eps, dim
-        block = norm.weight.detach().chunk(layout.q)[layout.feature_block]
-        weight = nn.Parameter(local_rows(block, layout.replica_groups, layout.shard_replicas).clone())
+        block = norm.weight.chunk(layout.q)[layout.feature_block]  # a view (not .detach(): no _base)
+        rows = local_rows(block, layout.replica_groups, layout.shard_replicas)
+        weight = nn.Parameter(torch.empty(rows.shape, dtype=rows.dtype, device=rows.device))
         self.weight = mark_sharded(weight) if layout.shard_replicas else weight
+        assign(self.weight, rows)
 
     def region(self, shape) -> tuple[tuple[int], tuple[int]]:
         """(single-process shape [D], offset in it) of this rank's weight of ``shape``, for checkpoints."""

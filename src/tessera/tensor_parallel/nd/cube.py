@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.comm.group import CommGroup
+from tessera.models.init import assign
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.regions import gather_seq, reduce_scatter_seq
 
@@ -31,25 +32,25 @@ class Linear3D(nn.Module):
     """A linear layer on a 3D cube (no bias); tokens are split along the leading (batch) dimension."""
 
     def __init__(self, in_features: int, out_features: int, gather: CommGroup, weight: CommGroup,
-                 reduce: CommGroup):
+                 reduce: CommGroup, device: torch.device | None = None):
         super().__init__()
         q = gather.size
         if in_features % q or out_features % (q * q):
             raise ValueError(f"a {in_features}→{out_features} layer cannot be split over a {q}×{q}×{q} cube")
         self.gather, self.weight_axis, self.reduce = gather, weight, reduce
         self.in_features, self.out_features = in_features, out_features
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // (q * q), in_features // q)))
+        weight = torch.empty(out_features // (q * q), in_features // q, device=device)
+        self.weight = mark_sharded(nn.Parameter(weight))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather: CommGroup, weight: CommGroup, reduce: CommGroup) -> Linear3D:
         if linear.bias is not None:
             raise ValueError("Linear3D has no bias; the reference model's linears have none")
-        layer = cls(linear.in_features, linear.out_features, gather, weight, reduce)
+        layer = cls(linear.in_features, linear.out_features, gather, weight, reduce, linear.weight.device)
         q = gather.size
-        with torch.no_grad():
-            block = linear.weight.chunk(q, dim=0)[gather.rank].chunk(q, dim=1)[reduce.rank]
-            layer.weight.copy_(block.chunk(q, dim=0)[weight.rank])
-        return layer.to(linear.weight.device)
+        block = linear.weight.chunk(q, dim=0)[gather.rank].chunk(q, dim=1)[reduce.rank]  # a view (meta: origin)
+        assign(layer.weight, block.chunk(q, dim=0)[weight.rank])
+        return layer
 
     def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
         """(single-process shape [O, I], offsets in it) of this rank's weight of ``shape``, for checkpoints."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.comm import collectives as C
+from tessera.models.init import assign
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.replicas import local_rows, row_offset, whole_block
 from tessera.tensor_parallel.regions import reduce_scatter_seq
@@ -32,11 +33,10 @@ class EmbeddingND(nn.Module):
             raise ValueError(f"a {self.num_embeddings}×{self.dim} embedding cannot be split into {g.size}×{q} blocks")
         self.per_block = self.num_embeddings // g.size
         self.vocab_start = g.rank * self.per_block
-        with torch.no_grad():
-            block = emb.weight.detach()[self.vocab_start:self.vocab_start + self.per_block]
-            block = block.chunk(q, dim=1)[layout.feature_block]
-            rows = local_rows(block, layout.embed_replicas, layout.shard_replicas).clone()
-        self.weight = mark_sharded(nn.Parameter(rows))
+        block = emb.weight[self.vocab_start:self.vocab_start + self.per_block]  # a view (not .detach(): no _base)
+        rows = local_rows(block.chunk(q, dim=1)[layout.feature_block], layout.embed_replicas, layout.shard_replicas)
+        self.weight = mark_sharded(nn.Parameter(torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)))
+        assign(self.weight, rows)
 
     def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
         """(single-process shape [V, D], offsets in it) of this rank's table of ``shape``, for checkpoints."""

@@ -26,7 +26,9 @@ from tessera.tensor_parallel.nd.grid import Grid2D, Grid3D, _unravel
 
 def apply_nd_tensor_parallel(model: nn.Module, tp: CommGroup, cfg, partition) -> Layout:
     """Split ``model`` (a dense Transformer, the same on every tp rank) over the grid of ``cfg.mode``
-    ("2d", "2.5d" with ``cfg.depth``, "3d"); returns the layout (also ``model.nd_layout``). ``partition``:
+    ("2d", "2.5d" with ``cfg.depth``, "3d"); returns the layout (also ``model.nd_layout``). On the meta
+    device the grid layers stay on it and only record which block of each dense weight they hold
+    (``models.init.assign``), so ``models.init.materialize`` allocates just this rank's blocks. ``partition``:
     every tp group of the job (``Topology.partitions["tp"]``), since building the grid's groups is
     collective over the world."""
     if cfg.mode == "3d":

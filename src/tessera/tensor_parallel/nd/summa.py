@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tessera.comm import collectives as C
+from tessera.models.init import assign
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.grid import Grid2D
 from tessera.tensor_parallel.nd.replicas import local_rows, row_offset, whole_block
@@ -65,24 +66,25 @@ class Linear2D(nn.Module):
     over depth × rows. Communication: see the module docstring; the 2.5D depth reduction of the weight
     gradient comes from ``whole_block`` over the depth group (``shard_replicas``: see ``replicas.py``)."""
 
-    def __init__(self, in_features: int, out_features: int, grid: Grid2D, shard_replicas: bool = False):
+    def __init__(self, in_features: int, out_features: int, grid: Grid2D, shard_replicas: bool = False,
+                 device: torch.device | None = None):
         super().__init__()
         q, held_by = grid.q, grid.d if shard_replicas else 1  # a block [O/q, I/q] split by rows over depth
         if in_features % q or out_features % (q * held_by):
             raise ValueError(f"a {in_features}→{out_features} layer cannot be split over a {q}×{q}×{grid.d} grid")
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
         self.replicas, self.shard_replicas = (grid.depth,), shard_replicas
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // (q * held_by), in_features // q)))
+        weight = torch.empty(out_features // (q * held_by), in_features // q, device=device)
+        self.weight = mark_sharded(nn.Parameter(weight))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, grid: Grid2D, shard_replicas: bool = False) -> Linear2D:
         if linear.bias is not None:
             raise ValueError("Linear2D has no bias; the reference model's linears have none")
-        layer = cls(linear.in_features, linear.out_features, grid, shard_replicas)
-        with torch.no_grad():
-            block = linear.weight.chunk(grid.q, dim=0)[grid.j].chunk(grid.q, dim=1)[grid.i]
-            layer.weight.copy_(local_rows(block, layer.replicas, shard_replicas))
-        return layer.to(linear.weight.device)
+        layer = cls(linear.in_features, linear.out_features, grid, shard_replicas, linear.weight.device)
+        block = linear.weight.chunk(grid.q, dim=0)[grid.j].chunk(grid.q, dim=1)[grid.i]  # a view (meta: origin)
+        assign(layer.weight, local_rows(block, layer.replicas, shard_replicas))
+        return layer
 
     def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
         """(single-process shape [O, I], offsets in it) of this rank's weight of ``shape``, for checkpoints."""
