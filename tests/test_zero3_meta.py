@@ -60,6 +60,13 @@ def global_name(name: str, expert_names: dict) -> str:
     return f"{name.split('.experts.')[0]}.experts.{index}.{leaf}"
 
 
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The same names, and each tensor equal bit for bit."""
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def full_values(engine, expert_names: dict) -> dict[str, torch.Tensor]:
     """Whole-model name → the gathered parameter."""
     parts = getattr(engine, "parts", (engine,))
@@ -223,8 +230,7 @@ def test_zero3_from_meta_trains_like_zero3_from_a_real_model(rank_pool, dtype):
     real = rank_pool.run(train_worker, 2, dtype=dtype, meta=False)
     for m, r in zip(meta, real):
         assert m["losses"] == r["losses"]
-        for name, value in r["params"].items():
-            assert torch.equal(m["params"][name], value), name
+        assert_same_tensors(m["params"], r["params"])
         size = DTYPES[dtype].itemsize
         assert m["dtypes"] == m["grad_dtypes"] == {DTYPES[dtype]}  # gathered units and their gradients
         assert m["gather_bytes"] == size * m["gather_elements"]
@@ -284,9 +290,7 @@ def test_tp2_zero3_from_meta_starts_like_from_a_real_model(rank_pool):
     meta = rank_pool.run(tp_worker, 4, meta=True)
     real = rank_pool.run(tp_worker, 4, meta=False)  # tp slices copied from one process's whole model
     for m, r in zip(meta, real):
-        assert set(m["values"]) == set(r["values"])
-        for name, value in r["values"].items():
-            assert torch.equal(m["values"][name], value), name
+        assert_same_tensors(m["values"], r["values"])
         # a tp slice is a strided region of its parameter: its fill maps the indices of a piece at a time
         assert m["peak"] <= m["held"] + STRIDED_TEMPORARY_CHUNKS * 4 * CHUNK + m["scratch"], m
         assert 4 * m["peak"] < r["peak"]  # the real build allocates the whole model first
@@ -337,5 +341,4 @@ def test_manual_zero3_from_meta_trains_like_from_a_real_model(rank_pool):
     real = rank_pool.run(manual_worker, 2, meta=False)
     for m, r in zip(meta, real):
         assert m["losses"] == r["losses"]
-        assert set(m["params"]) == set(r["params"])
-        assert all(torch.equal(m["params"][n], v) for n, v in r["params"].items())
+        assert_same_tensors(m["params"], r["params"])

@@ -9,8 +9,6 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from tessera.errors import ConfigError
 from tessera.zero.config import OffloadMode
 from tessera.zero.offload.files import stale_folders
@@ -58,13 +56,8 @@ def with_offload_folder(zero, cfg):
 def state_bytes(cfg, parallel) -> float:
     """Bytes of fp32 masters and AdamW state the whole job holds: 12 per trainable parameter, once per
     replica of the sharded state (``dp_replicate`` with hybrid sharding, else one)."""
-    from tessera.models import Transformer
-
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        model = Transformer(cfg.model, cfg.moe)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     replicas = parallel.dp_replicate if parallel.dp_shard > 1 else 1
-    return STATE_BYTES_PER_ELEMENT * params * replicas
+    return STATE_BYTES_PER_ELEMENT * cfg.model.num_params(moe=cfg.moe) * replicas
 
 
 def _stale_bytes(folder: Path) -> int:
