@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from bpe_tokenizer import train_bpe
 from tessera.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +147,22 @@ def scratch(tmp_path_factory, corpus_cache):
     saved = folder / "runs" / "r1" / "checkpoint"
     for step, named in ((1, 100), (2, 300)):  # the manifest lists files inside the folder: renaming keeps it
         (saved / f"step_{step:06d}").rename(saved / f"step_{named:06d}")
+    _bpe_run(folder, run[4:])
     return folder
+
+
+def _bpe_run(folder: Path, settings: list[str]) -> None:
+    """The README's walkthrough needs a BPE tokenizer (``path/to/tokenizer``, trained here) and a real run
+    ``runs/bpe`` on the shards its ``tessera prepare`` writes (prepared here first with the same command,
+    which then finds its folder finished)."""
+    train_bpe(folder / "path" / "to" / "tokenizer")
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(folder)
+        assert main(["prepare", "path/to/texts", "--tokenizer", "path/to/tokenizer", "--out", "data/texts-bpe",
+                     "--no-progress"]) == 0
+        assert main(["train", "--nproc", "1", "--model.preset=tiny", "--model.vocab_size=512", "--run.name=bpe",
+                     "--data.corpus=data/texts-bpe", "--data.tokenizer=data/texts-bpe/tokenizer",
+                     *[s for s in settings if not s.startswith(("--run.name", "--data.cache_dir"))]]) == 0
 
 
 def test_the_docs_hold_the_commands_we_expect():
@@ -158,6 +174,7 @@ def test_the_docs_hold_the_commands_we_expect():
     # an inline span wrapped across two lines (docs/CONFIG.md's [ps] example) is one command
     assert any(c.startswith("tessera train --model.preset=ctr --ps.servers=2 --ps.workers=2") for c in every)
     assert any(c.startswith("tessera plan --calibration cal.json") for c in every)
+    assert any(c.startswith("tessera generate runs/bpe/hf") for c in every)  # the README walkthrough
 
 
 def test_a_broken_documented_command_fails_the_check(tmp_path, monkeypatch, capsys):
@@ -184,6 +201,7 @@ def test_every_documented_command_runs(scratch, monkeypatch, capsys):
     assert len(seen) >= 15
     assert not failed, "\n".join(failed)
     assert (scratch / "runs" / "r1" / "checkpoint" / "step_000300.safetensors").is_file()  # export ran
+    assert (scratch / "runs" / "bpe" / "hf" / "tokenizer.json").is_file()  # the walkthrough's export ran
     assert (scratch / "cal.json").is_file()  # the calibration ran, and the next command read it
 
 

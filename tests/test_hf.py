@@ -124,7 +124,7 @@ REFUSED = [
     ("attention_bias", {"attention_bias": True}),
     ("mlp_bias", {"mlp_bias": True}),
     ("head_dim", {"head_dim": 16}),
-    ("model_type", {"model_type": "qwen2"}),
+    ("model_type", {"model_type": "gpt2"}),
 ]
 
 

@@ -153,7 +153,7 @@ def test_the_cli_layouts_pass_validation(world, args):
     (4, ["--parallel.tp=4", *ND["3d"]], "must be a cube"),
     (8, ["--parallel.tp=8", "--tensor_parallel.mode=2.5d", "--tensor_parallel.depth=3"], "with depth=3"),
     (8, ["--parallel.tp=8", *ND["3d"], "--model.ffn_hidden_dim=66"], "ffn_hidden_dim (66) to be divisible by 4"),
-    (4, ["--parallel.tp=4", *ND["2d"], "--model.vocab_size=255"], "vocab_size (255) to be divisible by 2"),
+    (4, ["--parallel.tp=4", *ND["2d"], "--model.vocab_size=257"], "vocab_size (257) to be divisible by 2"),
     (4, ["--parallel.tp=4", *ND["2d"], "--model.n_heads=2", "--model.n_kv_heads=1"], "n_kv_heads (1)"),
     (4, ["--parallel.tp=4", *ND["2d"], "--tensor_parallel.sequence_parallel=true"], "sequence parallelism"),
     (4, ["--parallel.tp=4", *ND["2d"], "--model.tie_embeddings=true"], "tie_embeddings=false"),

@@ -2,7 +2,9 @@
 
     tessera train [--config FILE] [--nproc N] [--dry-run] [--section.key=value ...]
     tessera plan --model NAME --gpus N --gpu NAME [...]
-    tessera export CHECKPOINT [--out FILE.safetensors]
+    tessera prepare INPUT... --out DIR [--tokenizer byte|TOKDIR] [...]
+    tessera export CHECKPOINT [--format safetensors|hf] [--out FILE.safetensors|DIR]
+    tessera generate CHECKPOINT|HFDIR --prompt TEXT [--max-new-tokens N] [--top-p P --temperature T --seed S]
 
 Everything a user can get wrong is checked here, before any rank starts, and reported as one sentence
 with exit code 2.
@@ -53,12 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     export = sub.add_parser("export", allow_abbrev=False,
-                            help="write a checkpoint's model weights as one safetensors file",
+                            help="write a checkpoint's weights as one safetensors file or a Hugging Face folder",
                             description="Consolidate a checkpoint written under any parallel layout into "
-                                        "one safetensors file of single-process parameter names.")
+                                        "one safetensors file of single-process parameter names, or (--format "
+                                        "hf) a Hugging Face model folder.")
     export.add_argument("checkpoint", help="a checkpoint folder (runs/<name>/checkpoint/step_<n>)")
-    export.add_argument("--out", help="the .safetensors file to write (default: <checkpoint>.safetensors "
-                        "beside the folder)")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors (default): tessera's parameter names; hf: config.json + "
+                        "model.safetensors that transformers loads, with the run's tokenizer.json")
+    export.add_argument("--out", help="the .safetensors file (or, for hf, the folder) to write (default: "
+                        "<checkpoint>.safetensors, or <checkpoint>-hf, beside the folder)")
+    from tessera.generate.command import add_generate_parser
+
+    add_generate_parser(sub)
+    from tessera.prepare_command import add_prepare_parser
+
+    add_prepare_parser(sub)
     return parser
 
 
@@ -67,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 # layout instead, as does torchrun, which decides the world size.
 DEMO_LAYOUT = ["--run.nproc=8", "--parallel.tp=2", "--parallel.pp=2", "--pipeline.schedule=1f1b",
                "--pipeline.microbatches=4"]
-LAYOUT_SECTIONS = ("run.nproc", "model.preset", "parallel", "pipeline", "tensor_parallel", "context_parallel",
-                   "zero", "precision", "checkpointing", "moe", "ps")
+LAYOUT_SECTIONS = ("run.nproc", "model.preset", "model.hf", "parallel", "pipeline", "tensor_parallel",
+                   "context_parallel", "zero", "precision", "checkpointing", "moe", "ps")
 
 
 def with_demo_layout(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -218,10 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             raise UserError(f"tessera {args.command} does not take {' '.join(rest)}; "
                             f"see tessera {args.command} --help")
+        if args.command == "export" and args.format == "hf":
+            from tessera.generate.export_hf import export_hf_command
+
+            return export_hf_command(args.checkpoint, args.out)
         if args.command == "export":
             from tessera.checkpoint import export_command
 
             return export_command(args.checkpoint, args.out)
+        if args.command == "generate":
+            from tessera.generate.command import cmd_generate
+
+            return cmd_generate(args)
+        if args.command == "prepare":
+            from tessera.prepare_command import cmd_prepare
+
+            return cmd_prepare(args)
         if args.command == "plan":
             from tessera.planner.command import cmd_plan
 

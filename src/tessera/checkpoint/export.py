@@ -20,10 +20,10 @@ from tessera.checkpoint.store import load_pieces, resolve
 from tessera.comm.group import CommGroup
 
 
-def export_safetensors(path: Path, out: Path, prefix: str = "model/") -> Path:
-    """Write every tensor of checkpoint ``path`` whose name starts with ``prefix`` to the safetensors file
-    ``out`` (names without the prefix; written to ``<out>.tmp`` then renamed). Returns ``out``."""
-    path, out = Path(path), Path(out)
+def consolidate(path: Path, prefix: str = "model/") -> tuple[dict[str, torch.Tensor], int | None]:
+    """Every tensor of checkpoint ``path`` whose name starts with ``prefix``, whole, in this one process,
+    under its name without the prefix; and the step it was saved at (None if unrecorded)."""
+    path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     saved = read_dcp_metadata(path).state_dict_metadata
@@ -32,10 +32,17 @@ def export_safetensors(path: Path, out: Path, prefix: str = "model/") -> Path:
     if not pieces:
         raise CheckpointError(f"checkpoint {path} holds no tensor whose name starts with '{prefix}'")
     meta = load_pieces(path, pieces, CommGroup.single())
-    tensors = {p.name[len(prefix):]: p.tensor for p in pieces}
+    step = meta.get("step") if isinstance(meta, dict) else None
+    return {p.name[len(prefix):]: p.tensor for p in pieces}, step
+
+
+def export_safetensors(path: Path, out: Path, prefix: str = "model/") -> Path:
+    """Write every tensor of checkpoint ``path`` whose name starts with ``prefix`` to the safetensors file
+    ``out`` (names without the prefix; written to ``<out>.tmp`` then renamed). Returns ``out``."""
+    path, out = Path(path), Path(out)
+    tensors, step = consolidate(path, prefix)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    step = meta.get("step") if isinstance(meta, dict) else None
     save_file(tensors, str(tmp), metadata={"format": "pt", "source": path.name,
                                            **({"step": str(step)} if step is not None else {})})
     os.replace(tmp, out)

@@ -98,7 +98,7 @@ class Placer:
         path, _, attr = local_name.rpartition(".")
         module = self.core.get_submodule(path) if path else self.core
         name = self.canonical_name(local_name)
-        if isinstance(module, (Linear2D, Linear3D, NormND, EmbeddingND)) and attr == "weight":
+        if isinstance(module, (Linear2D, Linear3D, NormND, EmbeddingND)) and attr in ("weight", "bias"):
             global_shape, offsets = module.region(shape)  # a rectangle of the single-process tensor
             return Placement(name, tuple(global_shape), tuple(offsets), shape)
         split = _split_of(module, attr, shape)

@@ -42,6 +42,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2); wo and the MLP have none
     dropout: float = 0.0
     init_std: float = 0.02
     num_experts: int = 0  # mixture of experts: experts per MoE layer; 0 = dense model
@@ -102,6 +103,8 @@ class ModelConfig:
         """Parameters of one dense TransformerBlock: attention + SwiGLU + two RMSNorm weights."""
         d, e = self.dim, self.head_dim
         attn = d * (self.n_heads * e) * 2 + d * (self.n_kv_heads * e) * 2  # wq, wo, wk, wv
+        if self.qkv_bias:
+            attn += (self.n_heads + 2 * self.n_kv_heads) * e
         ffn = 3 * d * self.ffn_hidden_dim  # w1, w3, w2
         return attn + ffn + 2 * d
 

@@ -9,7 +9,13 @@ touches, one at a time: initialising costs the temporaries of about one chunk ho
 drawn chunk, and for a sliced parameter the indices and masks of a piece of CHUNK / 8 elements), and the
 values do not depend on the device (drawn on the CPU, then copied).
 
-A parameter created on the meta device carries an :class:`Origin`: its spec and the chain of strided
+The values need not be drawn: any *source* of a whole parameter's elements serves, an object with
+``numel``, ``constant`` (a float every element equals, or None) and ``chunk(k)`` (elements [k·CHUNK,
+(k+1)·CHUNK) of the flattened whole, fp32 on the CPU). :class:`InitSpec` draws them; a tensor of a
+Hugging Face safetensors file reads them through a memory map (``tessera.hf.safetensors_file``), so
+loading pretrained weights into any layout is this same mechanism with another source.
+
+A parameter created on the meta device carries an :class:`Origin`: its source and the chain of strided
 regions through which it was cut out of the whole parameter. :func:`assign` records a region wherever a
 parallel layer takes a slice of a dense weight (on real tensors it simply copies), :func:`materialize`
 allocates each meta parameter on a device and fills it, and ZeRO-3 fills a flat shard straight from the
@@ -29,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -41,6 +48,18 @@ _ORIGIN = "_tessera_origin"
 def _chunk_seed(seed: int, name: str, k: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}/{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Source(Protocol):
+    """The elements of a whole parameter, chunk by chunk (see the module doc): drawn or read."""
+
+    @property
+    def numel(self) -> int: ...
+
+    @property
+    def constant(self) -> float | None: ...
+
+    def chunk(self, k: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -61,11 +80,16 @@ class InitSpec:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def constant(self) -> float | None:
+        """The value of every element (ones, zeros), or None when they are drawn."""
+        return None if self.kind == "normal" else (1.0 if self.kind == "ones" else 0.0)
+
     def chunk(self, k: int) -> torch.Tensor:
         """Elements [k·CHUNK, (k+1)·CHUNK) of the flattened whole parameter: fp32 on the CPU."""
         n = min(CHUNK, self.numel - k * CHUNK)
-        if self.kind != "normal":
-            return torch.full((n,), 1.0 if self.kind == "ones" else 0.0)
+        if self.constant is not None:
+            return torch.full((n,), self.constant)
         g = torch.Generator().manual_seed(_chunk_seed(self.seed, self.name, k))
         return torch.randn(n, generator=g).mul_(self.std)
 
@@ -102,14 +126,16 @@ class Region:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a (possibly sliced) parameter's values come from: ``spec``'s whole parameter, seen through
-    ``regions`` (the first is taken of the whole parameter, each next one of the previous result)."""
+    """Where a (possibly sliced) parameter's values come from: ``source``'s whole parameter (an
+    :class:`InitSpec`, or any object with its ``numel``, ``constant`` and ``chunk(k)``: see the module
+    doc), seen through ``regions`` (the first is taken of the whole parameter, each next one of the
+    previous result)."""
 
-    spec: InitSpec
+    source: Source
     regions: tuple[Region, ...] = ()
 
     def then(self, region: Region) -> Origin:
-        return Origin(self.spec, self.regions + (region,))
+        return Origin(self.source, self.regions + (region,))
 
     def indices(self, start: int, end: int) -> torch.Tensor:
         """Whole-parameter flat indices [end-start] (int64, -1 = zero padding) of local elements [start, end)."""
@@ -121,12 +147,12 @@ class Origin:
     @torch.no_grad()
     def fill_(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Write local flat elements [start, start + out.numel()) into ``out`` (contiguous, any dtype and
-        device); returns ``out``. Temporaries: the chunk being drawn (one cached), and for a sliced
+        device); returns ``out``. Temporaries: the chunk being drawn or read (one cached), and for a sliced
         parameter the indices of one piece of CHUNK / 8 local elements."""
         flat = out.view(-1)
-        constant = self.spec.kind != "normal" and not any(r.rows is not None for r in self.regions)
-        if constant:
-            return out.fill_(1.0 if self.spec.kind == "ones" else 0.0)
+        value = self.source.constant
+        if value is not None and not any(r.rows is not None for r in self.regions):
+            return out.fill_(value)
         cache: dict[int, torch.Tensor] = {}
         if not self.regions:  # contiguous: copy chunk parts straight in, no index tensor
             self._copy_range(flat, start, start, flat.numel(), cache)
@@ -143,8 +169,8 @@ class Origin:
 
     def _chunk(self, k: int, cache: dict) -> torch.Tensor:
         if k not in cache:
-            cache.clear()  # one drawn chunk alive at a time
-            cache[k] = self.spec.chunk(k)
+            cache.clear()  # one chunk alive at a time
+            cache[k] = self.source.chunk(k)
         return cache[k]
 
     def _copy_range(self, dest: torch.Tensor, origin: int, lo: int, n: int, cache: dict) -> None:

@@ -90,17 +90,25 @@ class CausalCoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q_BSHE: torch.Tensor, k_BSKE: torch.Tensor, v_BSKE: torch.Tensor) -> torch.Tensor:
+    def forward(self, q_BSHE: torch.Tensor, k_BSKE: torch.Tensor, v_BSKE: torch.Tensor,
+                q_offset: int = 0) -> torch.Tensor:
+        """``q_offset``: the absolute position of q's first row when k, v [B, q_offset + S, K, E] also hold
+        the earlier positions (decoding with a KV cache); 0, with k and v as long as q, is training's case."""
         # Repeat kv heads by hand rather than SDPA's enable_gqa: the 2D/2.5D/3D attention block repeats the
         # same way, and switching would change the kernels (and rounding) every parity test was measured with.
         n_rep = q_BSHE.shape[2] // k_BSKE.shape[2]
         k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
+        mask_ST = None
+        if q_offset:  # query i (position q_offset + i) sees keys 0..q_offset + i; SDPA's is_causal would not
+            s, t = q_BSHE.shape[1], k_BSKE.shape[1]
+            mask_ST = torch.ones(s, t, dtype=torch.bool, device=q_BSHE.device).tril(diagonal=q_offset)
         y_BHSE = F.scaled_dot_product_attention(
             q_BSHE.transpose(1, 2),
             k_BSHE.transpose(1, 2),
             v_BSHE.transpose(1, 2),
+            attn_mask=mask_ST,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=not q_offset,
         )
         return y_BHSE.transpose(1, 2)
 
@@ -119,22 +127,30 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Output ("residual") dropout of the attention branch, applied here as in GPT-2.
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Replaceable from outside (context parallelism swaps in a distributed core).
         self.core_attention: nn.Module = CausalCoreAttention(cfg.dropout)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: None in training; when decoding, this layer's KV cache (``tessera.generate``): its
+        ``start`` is the position of x's first token and ``update(k, v)`` stores k, v [B, S, K, E] there
+        and returns the keys and values of every position so far, [B, start + S, K, E]."""
         b, s, _ = x_BSD.shape
         q_BSHE = self.wq(x_BSD).view(b, s, -1, self.head_dim)
         k_BSKE = self.wk(x_BSD).view(b, s, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(b, s, -1, self.head_dim)
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
-        y_BSHE = self.core_attention(q_BSHE, k_BSKE, v_BSKE)
+        if cache is None:
+            y_BSHE = self.core_attention(q_BSHE, k_BSKE, v_BSKE)
+        else:
+            start = cache.start
+            k_BTKE, v_BTKE = cache.update(k_BSKE, v_BSKE)  # T = start + S
+            y_BSHE = self.core_attention(q_BSHE, k_BTKE, v_BTKE, q_offset=start)
         y_BSD = y_BSHE.reshape(b, s, -1)  # -1 = local H*E under TP
         return self.resid_dropout(self.wo(y_BSD))
 
@@ -155,6 +171,8 @@ class TransformerBlock(nn.Module):
         # Attention drops its own output; this drops the FFN branch before the residual add.
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: this layer's KV cache when decoding (see Attention.forward); None in training."""
+        extra = () if cache is None else (cache,)  # training calls attention exactly as before
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, *extra)
         return h_BSD + self.resid_dropout(self.feed_forward(self.ffn_norm(h_BSD)))

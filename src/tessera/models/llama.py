@@ -95,15 +95,20 @@ class Transformer(nn.Module):
         """The buffers of a model built on the meta device, made on ``device`` (``models.init.materialize``)."""
         self.reset_rope(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens [B, S] int -> logits [B, S, V].
 
         On a pipeline stage without `tok_embeddings` the input is hidden states [B, S, D];
         without `norm`/`output` the result is hidden states [B, S, D]. `positions` [S] (int)
         are the absolute positions of the S tokens, for a context-parallel rank that holds
         a shard of a longer sequence; None means 0..S-1.
+        `cache`: decoding only (None in training), a ``tessera.generate.KVCache``: the S tokens follow
+        the ``cache.length`` already in it (positions default to those after them), each layer attends
+        to its cached keys and values, and the cache then holds S more.
         """
         seq_len = tokens.shape[1]
+        if cache is not None and positions is None:
+            positions = torch.arange(cache.length, cache.length + seq_len, device=self.rope_cos.device)
         last = seq_len if positions is None else int(positions.max()) + 1
         if last > self.cfg.max_seq_len:
             raise ValueError(
@@ -118,8 +123,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         else:  # the rotary angles of the positions this shard holds
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for layer in self.layers.values():
-            h_BSD = layer(h_BSD, cos, sin)
+        for name, layer in self.layers.items():
+            h_BSD = layer(h_BSD, cos, sin) if cache is None else layer(h_BSD, cos, sin, cache.layer(int(name)))
+        if cache is not None:
+            cache.advance(seq_len)
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
         if self.output is not None:

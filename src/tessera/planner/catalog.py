@@ -76,6 +76,7 @@ class ModelSpec:
     experts: int = 1  # MoE: copies of the FFN per layer (1 = dense)
     top_k: int = 1  # MoE: experts each token visits
     moe_every: int = 1  # MoE: every moe_every-th layer has experts
+    qkv_bias: bool = False  # llama arch: biases on q, k, v (Qwen2)
 
     @property
     def head_dim(self) -> int:
@@ -84,7 +85,9 @@ class ModelSpec:
     def attention_params(self) -> int:
         h, e = self.hidden, self.head_dim
         weights = 2 * h * self.heads * e + 2 * h * self.kv_heads * e
-        return weights + (4 * h if self.arch == "gpt" else 0)  # GPT's q, k, v, o biases
+        if self.arch == "gpt":
+            return weights + 4 * h  # GPT's q, k, v, o biases
+        return weights + ((self.heads + 2 * self.kv_heads) * e if self.qkv_bias else 0)
 
     def ffn_params(self) -> int:
         """One expert's FFN (GeLU MLP with biases for gpt, SwiGLU for llama)."""
@@ -142,7 +145,8 @@ def from_model_config(name: str, cfg: ModelConfig, top_k: int = 2) -> ModelSpec:
     return ModelSpec(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden_dim,
                      cfg.vocab_size, cfg.max_seq_len, arch="llama", tied=cfg.tie_embeddings,
                      experts=max(1, experts), top_k=top_k if experts > 1 else 1,
-                     moe_every=getattr(cfg, "moe_every", 1) if experts > 1 else 1)
+                     moe_every=getattr(cfg, "moe_every", 1) if experts > 1 else 1,
+                     qkv_bias=getattr(cfg, "qkv_bias", False))
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -41,7 +41,7 @@ from tessera.recompute.config import RecomputeConfig
 from tessera.tensor_parallel.config import TensorParallelConfig
 from tessera.topology import ParallelConfig, validate_degrees
 from tessera.train import config_io
-from tessera.train.data import DataConfig
+from tessera.train.data import DataConfig, check_vocabulary
 from tessera.train.optim import OptimConfig
 from tessera.train.settings import check_finite, check_settings_take_effect
 from tessera.zero.config import ZeroConfig
@@ -106,7 +106,8 @@ class CheckpointConfig:
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=lambda: model_config("small"))
-    model_preset: str = "small"  # written as model.preset
+    model_preset: str = "small"  # written as model.preset ("hf" when model.hf gives the model)
+    model_hf: str = ""  # written as model.hf: a Hugging Face folder the model and its initial weights come from
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -135,6 +136,7 @@ SECTIONS = {
 }
 # presets that are not a Transformer: their [model] keys are ignored and their own section configures them
 NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the parameter-server mode, see [ps]
+HF_PRESET = "hf"  # model.preset of a job whose model comes from model.hf (tessera.hf.job)
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -146,24 +148,47 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     raw = config_io.merge(config_io.read_toml(path) if path else {},
                           config_io.parse_overrides(overrides or []))
     config_io.check_sections(raw, SECTIONS)
-    preset = str(raw.get("model", {}).get("preset", "small"))
-    cfg, defaults = _build(raw, preset), _build({}, preset)
+    hf = str(raw.get("model", {}).get("hf", ""))
+    preset = str(raw.get("model", {}).get("preset", HF_PRESET if hf else "small"))
+    # with model.hf the defaults are the folder's model: a key repeating its value is not the user's choice
+    base = {"model": {"hf": hf}} if hf else {}
+    if hf and not Path(hf).expanduser().is_dir():  # a run's saved config without the folder: its keys are the model
+        base = {"model": raw["model"]}
+    cfg, defaults = _build(raw, preset), _build(base, preset)
     given = [(section, key) for section, values in raw.items() for key in values
-             if (section, key) != ("model", "preset")]
+             if (section, key) not in (("model", "preset"), ("model", "hf"))]
     cfg.explicit = {f"{section}.{key}": getattr(getattr(cfg, section), key) for section, key in given
                     if getattr(getattr(cfg, section), key) != getattr(getattr(defaults, section), key)}
     return cfg
 
 
 def _build(raw: dict, preset: str) -> JobConfig:
-    model_raw = {k: v for k, v in raw.get("model", {}).items() if k != "preset"}
+    model_raw = {k: v for k, v in raw.get("model", {}).items() if k not in ("preset", "hf")}
+    hf = str(raw.get("model", {}).get("hf", ""))
     sections = {name: cls(**config_io.check_keys(name, raw.get(name, {}), cls))
                 for name, cls in SECTIONS.items() if name != "model"}
-    model = model_config("small" if preset in NON_TRANSFORMER_PRESETS else preset,
-                         **config_io.check_keys("model", model_raw, ModelConfig))
+    model_keys = config_io.check_keys("model", model_raw, ModelConfig)
+    if hf or preset == HF_PRESET:
+        model, sections["moe"], hf = _hf_model(hf, preset, model_keys, raw.get("moe", {}))
+    else:
+        model = model_config("small" if preset in NON_TRANSFORMER_PRESETS else preset, **model_keys)
+    if sections["data"].tokenizer not in ("byte", ""):  # absolute, so the run's config.toml works from anywhere
+        sections["data"].tokenizer = str(Path(sections["data"].tokenizer).expanduser().resolve())
     if "seq_len" not in raw.get("data", {}):  # the default fits the model (the tiny preset's 64 tokens)
         sections["data"].seq_len = min(sections["data"].seq_len, model.max_seq_len)
-    return JobConfig(model=model, model_preset=preset, **sections)
+    return JobConfig(model=model, model_preset=preset, model_hf=hf, **sections)
+
+
+def _hf_model(hf: str, preset: str, model_keys: dict, moe_raw: dict) -> tuple[ModelConfig, MoEConfig, str]:
+    """model.hf: (model, moe, the folder as an absolute path) from a Hugging Face folder (tessera.hf.job)."""
+    if not hf:
+        raise ConfigError(f"model.preset={HF_PRESET!r} needs model.hf=DIR, a Hugging Face model folder")
+    if preset != HF_PRESET:
+        raise ConfigError(f"model.preset={preset!r} and model.hf both choose the model; give one of them")
+    from tessera.hf.job import job_model
+
+    model, moe = job_model(hf, model_keys, config_io.check_keys("moe", moe_raw, MoEConfig))
+    return model, moe, str(Path(hf).expanduser().resolve())
 
 
 def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
@@ -176,7 +201,12 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
         return cfg
     for name in SECTIONS:
         getattr(cfg, name).validate()
+    if cfg.model_hf:  # the safetensors headers match the model (a job built in code is checked here too)
+        from tessera.hf.job import check_weights
+
+        check_weights(cfg.model_hf, cfg.model, cfg.moe)
     validate_degrees(cfg.parallel, world_size)
+    check_vocabulary(cfg.data, cfg.model.vocab_size)  # the data's tokenizer fits the model's vocabulary
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
@@ -214,7 +244,7 @@ def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
 def config_dict(cfg: JobConfig) -> dict:
     """The resolved config as TOML-ready sections (model.preset included)."""
     out = {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
-    out["model"] = {"preset": cfg.model_preset, **out["model"]}
+    out["model"] = {"preset": cfg.model_preset, **({"hf": cfg.model_hf} if cfg.model_hf else {}), **out["model"]}
     return out
 
 

@@ -124,7 +124,8 @@ def describe_job(cfg, par: ParallelConfig, world: int, run_dir: Path, resume: Pa
     memory, notes = predicted_memory(cfg, par)
     lines = [
         "tessera train --dry-run: every check passed; nothing was started and nothing written",
-        f"model:      {cfg.model_preset}, {_count(m.num_params(moe=cfg.moe))} parameters "
+        f"model:      {cfg.model_preset}{f' ({cfg.model_hf})' if cfg.model_hf else ''}, "
+        f"{_count(m.num_params(moe=cfg.moe))} parameters "
         f"({m.n_layers} layers, dim {m.dim}{f', {m.num_experts} experts' if m.num_experts else ''}), "
         f"{cfg.precision.dtype}",
         f"data:       {cfg.data.global_batch_size} sequences x {cfg.data.seq_len} tokens per step "

@@ -54,9 +54,15 @@ def meta_model(cfg: JobConfig) -> Transformer:
     """The job's model described on the meta device, nothing allocated: every strategy claims its part
     (stages, tp slices, experts), then each rank allocates and fills only what it holds
     (``tessera.parallelize`` / the pipeline; ZeRO-3 its flat shards), with the values one process has:
-    a function of (``run.seed``, parameter name) only (``tessera.models.init``)."""
+    a function of (``run.seed``, parameter name) only (``tessera.models.init``). With ``model.hf`` those
+    values are the folder's safetensors tensors instead, read where each rank's part lies (``tessera.hf``)."""
     with torch.device("meta"):
-        return Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
+        model = Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
+    if cfg.model_hf:
+        from tessera.hf.convert import attach_weights
+
+        attach_weights(model, cfg.model_hf)
+    return model
 
 
 class Trainer:

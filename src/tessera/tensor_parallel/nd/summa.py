@@ -11,6 +11,12 @@ Backward, for k = 0..q-1: broadcast A_jk along the column, reduce dY_ij A_jk alo
 the weight gradient is then all-reduced over the d depth layers (each saw 1/d of the tokens), or, with
 ``shard_replicas``, each depth layer holds 1/d of the block's rows, all-gathered over depth in forward and
 reduce-scattered in backward (``replicas.py``: the same bytes, and each weight element held once).
+
+Bias (optional, e.g. Qwen2's q/k/v): b [O] is cut like the output, block j [O/q] added to Y_ij. Every rank
+of column j (the q grid rows × d depth layers, each holding other tokens) adds the same block, so it is a
+replicated block over ``col`` and ``depth`` (``replicas.py``): forward all-gather of the held rows
+[O/(q²d)] into [O/q] (``shard_replicas``; otherwise no communication), backward reduce-scatter of its
+gradient Σ_tokens dY_ij (otherwise all-reduce) over the same groups.
 """
 
 from __future__ import annotations
@@ -62,12 +68,13 @@ class _Summa(torch.autograd.Function):
 
 
 class Linear2D(nn.Module):
-    """A linear layer on a 2D / 2.5D grid (no bias). Input [..., I/q] → output [..., O/q], tokens split
-    over depth × rows. Communication: see the module docstring; the 2.5D depth reduction of the weight
-    gradient comes from ``whole_block`` over the depth group (``shard_replicas``: see ``replicas.py``)."""
+    """A linear layer on a 2D / 2.5D grid, with an optional bias. Input [..., I/q] → output [..., O/q],
+    tokens split over depth × rows. Communication: see the module docstring; the 2.5D depth reduction of
+    the weight gradient comes from ``whole_block`` over the depth group (``shard_replicas``: see
+    ``replicas.py``), the bias's over ``col`` and ``depth`` likewise."""
 
     def __init__(self, in_features: int, out_features: int, grid: Grid2D, shard_replicas: bool = False,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, bias: bool = False):
         super().__init__()
         q, held_by = grid.q, grid.d if shard_replicas else 1  # a block [O/q, I/q] split by rows over depth
         if in_features % q or out_features % (q * held_by):
@@ -76,24 +83,38 @@ class Linear2D(nn.Module):
         self.replicas, self.shard_replicas = (grid.depth,), shard_replicas
         weight = torch.empty(out_features // (q * held_by), in_features // q, device=device)
         self.weight = mark_sharded(nn.Parameter(weight))
+        self.bias_replicas = (grid.col, grid.depth)  # the ranks adding output block j to other tokens
+        self.bias = None
+        if bias:
+            held = out_features // q // (q * grid.d if shard_replicas else 1)  # [O/(q²d)] or [O/q]
+            b = nn.Parameter(torch.zeros(held, device=device))
+            self.bias = mark_sharded(b) if shard_replicas else b
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, grid: Grid2D, shard_replicas: bool = False) -> Linear2D:
-        if linear.bias is not None:
-            raise ValueError("Linear2D has no bias; the reference model's linears have none")
-        layer = cls(linear.in_features, linear.out_features, grid, shard_replicas, linear.weight.device)
+        layer = cls(linear.in_features, linear.out_features, grid, shard_replicas, linear.weight.device,
+                    bias=linear.bias is not None)
         block = linear.weight.chunk(grid.q, dim=0)[grid.j].chunk(grid.q, dim=1)[grid.i]  # a view (meta: origin)
         assign(layer.weight, local_rows(block, layer.replicas, shard_replicas))
+        if linear.bias is not None:
+            bias_block = linear.bias.chunk(grid.q)[grid.j]  # [O/q], a view
+            assign(layer.bias, local_rows(bias_block, layer.bias_replicas, shard_replicas))
         return layer
 
-    def region(self, shape) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(single-process shape [O, I], offsets in it) of this rank's weight of ``shape``, for checkpoints."""
-        q, (rows, cols) = self.grid.q, shape
-        block_rows = self.out_features // q
+    def region(self, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(single-process shape, offsets in it) of this rank's weight [O, I] or (a 1-dim ``shape``) bias
+        [O], for checkpoints."""
+        block_rows = self.out_features // self.grid.q
+        if len(shape) == 1:
+            start = self.grid.j * block_rows + row_offset(shape[0], self.bias_replicas, self.shard_replicas)
+            return (self.out_features,), (start,)
+        rows, cols = shape
         start = self.grid.j * block_rows + row_offset(rows, self.replicas, self.shard_replicas)
         return (self.out_features, self.in_features), (start, self.grid.i * cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = whole_block(self.weight, self.replicas, self.shard_replicas)  # [O/q, I/q]
         y_TO = _Summa.apply(x.reshape(-1, x.shape[-1]), w, self.grid)
+        if self.bias is not None:
+            y_TO = y_TO + whole_block(self.bias, self.bias_replicas, self.shard_replicas).to(y_TO.dtype)  # [O/q]
         return y_TO.view(*x.shape[:-1], -1)

@@ -2,7 +2,8 @@
 
 The grid must fit the tp ranks (q×q, q×q×d, q×q×q) and every weight must cut into equal blocks (weights
 are split into q output × q input blocks, 3D output blocks once more by q; a block shared by several
-ranks is held once, split by rows over them: ``replicas.py``). Each failure is one sentence.
+ranks, a norm weight's or a q/k/v bias's, is held once, split by rows over them: ``replicas.py``). Each
+failure is one sentence.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def _divisors(model, mode: str, q: int, d: int) -> list[tuple[str, int, int]]:
     """(model field, its value, what must divide it) for every weight block of the grid layout."""
     kv_dim = model.n_kv_heads * model.head_dim
     rows = q * q if mode == "3d" else q * d  # an output dimension splits into q blocks, held once over d
+    # q/k/v biases: an O/q block held once over q·d (3D: q²) ranks, like a norm weight (dim: already)
+    kv_rows = q * q * d if model.qkv_bias else rows
     return [("n_heads", model.n_heads, q), ("n_kv_heads", model.n_kv_heads, q),
             ("dim", model.dim, q * q * d),  # a norm weight's D/q block held once over q·d (3D: q²) ranks
-            ("n_kv_heads×head_dim", kv_dim, rows), ("ffn_hidden_dim", model.ffn_hidden_dim, rows),
+            ("n_kv_heads×head_dim", kv_dim, kv_rows), ("ffn_hidden_dim", model.ffn_hidden_dim, rows),
             ("vocab_size", model.vocab_size, rows)]
 
 

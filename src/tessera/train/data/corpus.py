@@ -1,34 +1,33 @@
-"""Training text: gather a corpus, split it train/validation, cache it as raw byte tokens.
+"""Training text: gather a corpus, split it train/validation, cache it as tokens.
 
 The default corpus is the source of the running Python's standard library: real
 text that every machine already has, so training needs no download. The cache
 holds ``train.bin``/``val.bin`` (uint8, one byte per token) that ``np.memmap``
 maps without loading, plus ``meta.json``, which is written last and so marks a
-complete cache.
+complete cache. A corpus folder written by ``tessera prepare``, or raw text with a Hugging Face
+``data.tokenizer``, is read as token shards instead (:mod:`tessera.train.data.prepare`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 from tqdm import tqdm
 
 from tessera.errors import ConfigError
-from tessera.train.data.tokenizer import ByteTokenizer
-
-try:  # POSIX only; without it concurrent builders still never see a torn cache (os.replace).
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
+from tessera.train.data.documents import SplitRule, text_sources
+from tessera.train.data.documents import read_text_bytes as _read_text
+from tessera.train.data.files import exclusive, read_json, temp_writer, write_json
+from tessera.train.data.prepare import is_prepared, prepare, read_prepared
+from tessera.train.data.shards import TokenStream, open_split
+from tessera.train.data.tokenizer import ByteTokenizer, check_tokenizer_spec, load_tokenizer
 
 _FORMAT = 1  # bump when the cache layout or split rule changes, so old caches are not reused
 _EOT = bytes([ByteTokenizer.eot])
@@ -42,6 +41,7 @@ class DataConfig:
     """Where the text comes from and how it is cut into batches."""
 
     corpus: str = "stdlib"
+    tokenizer: str = "byte"
     cache_dir: str = ""
     val_fraction: float = 0.02
     seq_len: int = 128
@@ -62,6 +62,7 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction must be in (0, 0.5], got {self.val_fraction!r}")
         if self.corpus != "stdlib" and not os.path.exists(os.path.expanduser(self.corpus)):
             raise ConfigError(f"corpus path {self.corpus!r} does not exist")
+        check_tokenizer_spec(self.tokenizer)
 
     def cache_root(self) -> str:
         """The cache directory, defaulting to ~/.cache/tessera."""
@@ -72,8 +73,8 @@ class DataConfig:
 class Corpus:
     """Token splits as read-only memory maps; ``path`` is the cache directory holding them."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: Union[np.ndarray, TokenStream]  # uint8 bytes, or a prepared folder's uint16/uint32 shards
+    val: Union[np.ndarray, TokenStream]
     meta: Dict[str, object] = field(default_factory=dict)
     path: str = ""
 
@@ -131,36 +132,13 @@ def _cache_key(desc: Dict[str, object], files: List[SourceFile], val_fraction: f
     return hashlib.sha1(blob).hexdigest()[:16]
 
 
-def _read_text(path: str) -> Optional[bytes]:
-    """The file's bytes if it is non-empty UTF-8 text without NUL, else None (skipped)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data or _EOT in data:
-        return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return data
-
-
 # ---------------------------------------------------------------- splitting
-
-
-def _hash_fraction(rel: str) -> float:
-    """A stable number in [0, 1) per relative path; Python's hash() is salted per process."""
-    digest = hashlib.sha1(rel.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 def _split_files(rels: List[str], val_fraction: float) -> Tuple[List[str], List[str]]:
     """Per-file split so validation text is never seen in training, even partly."""
-    frac = {rel: _hash_fraction(rel) for rel in rels}
-    val = [rel for rel in rels if frac[rel] < val_fraction]
-    if not val:  # small corpora: still evaluate on something
-        val = [min(rels, key=frac.__getitem__)]
-    if len(val) == len(rels):  # and still train on something
-        val.remove(max(val, key=frac.__getitem__))
+    rule = SplitRule(rels, val_fraction)
+    val = [rel for rel in rels if rule.is_val(rel)]
     chosen = set(val)
     return [rel for rel in rels if rel not in chosen], val
 
@@ -176,27 +154,10 @@ def _tail_cut(data: bytes, val_fraction: float) -> int:
 # ---------------------------------------------------------------- building the cache
 
 
-@contextlib.contextmanager
-def _temp_writer(out_dir: str, final_name: str) -> Iterator:
-    """Write to a temp file in out_dir, then atomically rename it to final_name;
-    a crash leaves at worst a stray temp file, never a half-written final file."""
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{final_name}.", suffix=".tmp")
-    os.fchmod(fd, 0o644)  # mkstemp makes 0600; a shared cache must stay readable
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(out_dir, final_name))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _write_split(out_dir: str, name: str, chunks: Iterator[bytes]) -> int:
     """Write documents, each followed by the end-of-text byte; return the token count."""
     n = 0
-    with _temp_writer(out_dir, name) as f:
+    with temp_writer(out_dir, name) as f:
         for chunk in chunks:
             f.write(chunk)
             f.write(_EOT)
@@ -240,60 +201,90 @@ def _build(out_dir: str, source: str, files: List[SourceFile], key: str,
     meta = {"source": source, "n_files": len(valid), "n_train_tokens": n_train,
             "n_val_tokens": n_val, "dtype": "uint8", "key": key,
             "val_fraction": val_fraction, "format": _FORMAT}
-    with _temp_writer(out_dir, "meta.json") as f:
-        f.write(json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
+    write_json(out_dir, "meta.json", meta)
     return meta
-
-
-def _read_meta(out_dir: str) -> Optional[Dict[str, object]]:
-    path = os.path.join(out_dir, "meta.json")
-    if not os.path.exists(path):
-        return None
-    with open(path, "r", encoding="utf-8") as f:
-        return json.load(f)
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive lock so ranks building the same cache take turns."""
-    with open(lock_path, "a") as f:
-        if fcntl is not None:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _load_or_build(out_dir: str, source: str, files: List[SourceFile], key: str,
                    val_fraction: float, progress: bool) -> Dict[str, object]:
-    meta = _read_meta(out_dir)  # fast path: no lock once the cache exists
+    meta = read_json(out_dir, "meta.json")  # fast path: no lock once the cache exists
     if meta is not None:
         return meta
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cache directory {out_dir!r} cannot be created ({e.strerror})") from e
-    with _exclusive(os.path.join(out_dir, ".lock")):
-        meta = _read_meta(out_dir)  # another process may have built it while we waited
+    with exclusive(os.path.join(out_dir, ".lock")):
+        meta = read_json(out_dir, "meta.json")  # another process may have built it while we waited
         if meta is None:
             meta = _build(out_dir, source, files, key, val_fraction, progress)
     return meta
 
 
-def load_corpus(cfg: DataConfig, progress: bool = False) -> Corpus:
-    """Return the corpus of ``cfg`` as memory-mapped tokens, building its cache on first use."""
-    cfg.validate()
-    source, desc, files = _list_sources(cfg.corpus)
-    key = _cache_key(desc, files, cfg.val_fraction)
-    out_dir = os.path.join(cfg.cache_root(), "corpus", key)
-    meta = _load_or_build(out_dir, source, files, key, cfg.val_fraction, progress)
-    for split in ("train", "val"):
-        n = int(meta[f"n_{split}_tokens"])
+def _prepared(cfg: DataConfig) -> Optional[Tuple[str, Dict[str, object]]]:
+    """(folder, meta) when ``data.corpus`` is a folder tessera prepare wrote, its tokenizer checked."""
+    folder = os.path.expanduser(cfg.corpus)
+    if cfg.corpus == "stdlib" or not is_prepared(folder):
+        return None
+    meta = read_prepared(folder)
+    made = meta["tokenizer"]  # type: ignore[index]
+    tok = ByteTokenizer() if cfg.tokenizer == "byte" else load_tokenizer(cfg.tokenizer)
+    if (tok.fingerprint, tok.eot) != (made["fingerprint"], made["eot"]):
+        hint = "byte" if made["fingerprint"] == "byte" else os.path.join(cfg.corpus, "tokenizer")
+        raise ConfigError(f"corpus {cfg.corpus!r} was prepared with another tokenizer than "
+                          f"data.tokenizer={cfg.tokenizer!r}: set --data.tokenizer={hint}")
+    return folder, meta
+
+
+def check_vocabulary(cfg: DataConfig, vocab_size: int) -> None:
+    """Refuse, before anything starts, a model whose vocabulary is smaller than the data's tokenizer's."""
+    prepared = _prepared(cfg)
+    if prepared is not None:
+        need, what = int(prepared[1]["tokenizer"]["vocab_size"]), f"corpus {cfg.corpus!r}"  # type: ignore
+    else:
+        need, what = load_tokenizer(cfg.tokenizer).vocab_size, f"data.tokenizer={cfg.tokenizer!r}"
+    if vocab_size < need:
+        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the {need} token ids of {what}: "
+                          f"set --model.vocab_size={need} or more")
+
+
+def _token_corpus(cfg: DataConfig, folder: str, meta: Dict[str, object]) -> Corpus:
+    """A prepared folder's splits, each read as one stream over its shards."""
+    splits = meta["splits"]  # type: ignore[index]
+    _check_lengths(cfg, {split: int(splits[split]["tokens"]) for split in ("train", "val")})
+    train, val = (open_split(folder, splits[split]["shards"], split, np.dtype(str(meta["dtype"])))
+                  for split in ("train", "val"))
+    return Corpus(train=train, val=val, meta=meta, path=folder)  # type: ignore[arg-type]
+
+
+def _check_lengths(cfg: DataConfig, tokens: Dict[str, int]) -> None:
+    for split, n in tokens.items():
         if n < cfg.seq_len + 1:
             raise ConfigError(f"the {split} split of corpus {cfg.corpus!r} has {n} tokens, "
                               f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+
+
+def load_corpus(cfg: DataConfig, progress: bool = False) -> Corpus:
+    """Return the corpus of ``cfg`` as memory-mapped tokens, building its cache on first use.
+
+    A folder written by ``tessera prepare`` is read as it is. Raw text with ``data.tokenizer`` a Hugging
+    Face tokenizer goes through the same prepare code into ``<cache>/tokens/<key>``; with bytes (the
+    default) into ``<cache>/corpus/<key>`` as uint8 ``train.bin`` / ``val.bin``."""
+    cfg.validate()
+    prepared = _prepared(cfg)
+    if prepared is not None:
+        return _token_corpus(cfg, *prepared)
+    source, desc, files = _list_sources(cfg.corpus)
+    if cfg.tokenizer != "byte":
+        tok = load_tokenizer(cfg.tokenizer)
+        key = _cache_key(dict(desc, tokenizer=tok.fingerprint, eot=tok.eot), files, cfg.val_fraction)
+        out_dir = os.path.join(cfg.cache_root(), "tokens", key)
+        meta = prepare(text_sources(files), out_dir, tok, val_fraction=cfg.val_fraction, progress=progress)
+        return _token_corpus(cfg, out_dir, meta)
+    key = _cache_key(desc, files, cfg.val_fraction)
+    out_dir = os.path.join(cfg.cache_root(), "corpus", key)
+    meta = _load_or_build(out_dir, source, files, key, cfg.val_fraction, progress)
+    _check_lengths(cfg, {split: int(meta[f"n_{split}_tokens"]) for split in ("train", "val")})
     train = np.memmap(os.path.join(out_dir, "train.bin"), dtype=np.uint8, mode="r")
     val = np.memmap(os.path.join(out_dir, "val.bin"), dtype=np.uint8, mode="r")
     return Corpus(train=train, val=val, meta=meta, path=out_dir)
