@@ -148,7 +148,30 @@ def scratch(tmp_path_factory, corpus_cache):
     for step, named in ((1, 100), (2, 300)):  # the manifest lists files inside the folder: renaming keeps it
         (saved / f"step_{step:06d}").rename(saved / f"step_{named:06d}")
     _bpe_run(folder, run[4:])
+    assert main(["train", "--nproc", "1", "--run.name=lora", "--model.preset=tiny", "--lora.rank=8", *run[4:]]) == 0
+    _sft_run(folder, run[4:])
     return folder
+
+
+def _sft_run(folder: Path, settings: list[str]) -> None:
+    """The README's LoRA walkthrough: prompt/response pairs (``path/to/pairs.jsonl``), a tiny Hugging Face
+    Llama of the BPE tokenizer's vocabulary (``path/to/llama``), and a real run ``runs/sft`` on them."""
+    import json
+
+    import transformers
+
+    pairs = [{"prompt": f"Q: what is {a} plus {b}?\nA:", "response": f" {a + b}"} for a in range(8) for b in range(8)]
+    (folder / "path" / "to" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "path" / "to" / "llama")
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(folder)
+        assert main(["prepare", "path/to/pairs.jsonl", "--sft", "--tokenizer", "path/to/tokenizer",
+                     "--out", "data/pairs", "--no-progress"]) == 0
+        assert main(["train", "--nproc", "1", "--model.hf=path/to/llama", "--lora.rank=8", "--run.name=sft",
+                     "--data.corpus=data/pairs", "--data.tokenizer=data/pairs/tokenizer", "--data.seq_len=32",
+                     *[s for s in settings if not s.startswith(("--run.name", "--data.cache_dir", "--data.seq_len"))]]) == 0
 
 
 def _bpe_run(folder: Path, settings: list[str]) -> None:
@@ -202,6 +225,7 @@ def test_every_documented_command_runs(scratch, monkeypatch, capsys):
     assert not failed, "\n".join(failed)
     assert (scratch / "runs" / "r1" / "checkpoint" / "step_000300.safetensors").is_file()  # export ran
     assert (scratch / "runs" / "bpe" / "hf" / "tokenizer.json").is_file()  # the walkthrough's export ran
+    assert (scratch / "runs" / "sft" / "merged" / "model.safetensors").is_file()  # and the LoRA one's
     assert (scratch / "cal.json").is_file()  # the calibration ran, and the next command read it
 
 

@@ -3,7 +3,7 @@
     tessera train [--config FILE] [--nproc N] [--dry-run] [--section.key=value ...]
     tessera plan --model NAME --gpus N --gpu NAME [...]
     tessera prepare INPUT... --out DIR [--tokenizer byte|TOKDIR] [...]
-    tessera export CHECKPOINT [--format safetensors|hf] [--out FILE.safetensors|DIR]
+    tessera export CHECKPOINT [--format safetensors|hf|peft] [--merge-lora] [--out FILE.safetensors|DIR]
     tessera generate CHECKPOINT|HFDIR --prompt TEXT [--max-new-tokens N] [--top-p P --temperature T --seed S]
 
 Everything a user can get wrong is checked here, before any rank starts, and reported as one sentence
@@ -60,11 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                                         "one safetensors file of single-process parameter names, or (--format "
                                         "hf) a Hugging Face model folder.")
     export.add_argument("checkpoint", help="a checkpoint folder (runs/<name>/checkpoint/step_<n>)")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    export.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                         help="safetensors (default): tessera's parameter names; hf: config.json + "
-                        "model.safetensors that transformers loads, with the run's tokenizer.json")
-    export.add_argument("--out", help="the .safetensors file (or, for hf, the folder) to write (default: "
-                        "<checkpoint>.safetensors, or <checkpoint>-hf, beside the folder)")
+                        "model.safetensors that transformers loads, with the run's tokenizer.json; peft: a "
+                        "LoRA run's adapter alone (adapter_config.json + adapter_model.safetensors)")
+    export.add_argument("--merge-lora", action="store_true",
+                        help="a LoRA run: merge its adapters into the base weights (W + scale·B·A), so the "
+                        "export is an ordinary model; needed for --format hf")
+    export.add_argument("--out", help="the .safetensors file (or, for hf and peft, the folder) to write "
+                        "(default: beside the checkpoint folder, <checkpoint>.safetensors, -hf, -peft, or "
+                        "-merged.safetensors)")
     from tessera.generate.command import add_generate_parser
 
     add_generate_parser(sub)
@@ -230,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             raise UserError(f"tessera {args.command} does not take {' '.join(rest)}; "
                             f"see tessera {args.command} --help")
-        if args.command == "export" and args.format == "hf":
-            from tessera.generate.export_hf import export_hf_command
+        if args.command == "export" and (args.format != "safetensors" or args.merge_lora):
+            from tessera.generate.export_hf import export_model_command
 
-            return export_hf_command(args.checkpoint, args.out)
+            return export_model_command(args.checkpoint, args.out, args.format, args.merge_lora)
         if args.command == "export":
             from tessera.checkpoint import export_command
 

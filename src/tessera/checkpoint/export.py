@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tessera.checkpoint.errors import CheckpointError
 from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.safe_reader import read_dcp_metadata
-from tessera.checkpoint.store import load_pieces, resolve
+from tessera.checkpoint.store import META, load_pieces, read_meta, resolve
 from tessera.comm.group import CommGroup
 
 
@@ -56,5 +56,7 @@ def export_command(checkpoint: str | Path, out: str | Path | None = None) -> int
     checkpoint = resolve(checkpoint) or Path(checkpoint)  # a folder of step_<n>: its newest
     target = Path(out) if out is not None else checkpoint.with_name(checkpoint.name + ".safetensors")
     written = export_safetensors(checkpoint, target)
-    print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB), the model weights of {checkpoint}")
+    lora = read_meta(checkpoint).get("lora") if (checkpoint / META).is_file() else None
+    what = ("the LoRA adapters (alone: --merge-lora writes the merged model)" if lora else "the model weights")
+    print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB), {what} of {checkpoint}")
     return 0

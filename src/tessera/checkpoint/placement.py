@@ -11,7 +11,9 @@ single-process parameter it is part of. The layouts compose by layering:
   ColumnParallelLinear / VocabParallelHead hold a block of rows, RowParallelLinear a block of columns,
   VocabParallelEmbedding a block of rows; rows past the vocabulary (padding to a multiple of tp) are not
   part of the single-process tensor and are cut off. The 2D / 2.5D / 3D layers (``tensor_parallel.nd``)
-  hold a rectangle their ``region(shape)`` names. Everything else is held whole (replicated);
+  hold a rectangle their ``region(shape)`` names, as does a LoRA factor a tensor-parallel layer cut from a
+  dense adapter (``tensor_parallel.adapters``): any module with a ``region`` method names its own.
+  Everything else is held whole (replicated);
 - flat ranges: a ZeRO rank holds a range ``[a, b)`` of a local parameter's flattened (C-contiguous)
   elements; :func:`flat_boxes` cuts it into at most 2·(ndim−1)+1 rectangles of the local tensor, and
   :meth:`Placement.piece` maps each through the region.
@@ -30,7 +32,6 @@ from torch import nn
 from tessera.checkpoint.pieces import Piece
 from tessera.moe.expert_parallel import ExpertParallelMoE
 from tessera.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear, is_sharded
-from tessera.tensor_parallel.nd import EmbeddingND, Linear2D, Linear3D, NormND
 from tessera.tensor_parallel.vocab import VocabParallelEmbedding
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a rectangle in some tensor
@@ -98,7 +99,7 @@ class Placer:
         path, _, attr = local_name.rpartition(".")
         module = self.core.get_submodule(path) if path else self.core
         name = self.canonical_name(local_name)
-        if isinstance(module, (Linear2D, Linear3D, NormND, EmbeddingND)) and attr in ("weight", "bias"):
+        if callable(getattr(module, "region", None)) and attr in ("weight", "bias"):
             global_shape, offsets = module.region(shape)  # a rectangle of the single-process tensor
             return Placement(name, tuple(global_shape), tuple(offsets), shape)
         split = _split_of(module, attr, shape)

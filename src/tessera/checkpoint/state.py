@@ -20,6 +20,12 @@ Where the values live:
 - ZeRO-0/1/2/3 × ep (:class:`tessera.moe.ExpertZeroDataParallel`): its two engines' buckets (dense over dp,
   experts over edp), each as above; the placement gives experts their global index.
 
+Frozen parameters (a LoRA job's base weights, ``requires_grad`` False) are not part of the training
+state: they are never saved or loaded. Their values are the job's initial values (``model.hf`` or the
+seed), which a resumed job builds again, so a LoRA checkpoint holds the adapters and their optimizer state
+only. A sharded engine lists trainable parameters only in ``flat_shards`` (it holds no master or state for
+frozen ones); a frozen name there is skipped too.
+
 Every piece's tensor is a view of live storage, so a load writes straight into the parameters, masters and
 optimizer state; :func:`finish_load` then refreshes what is derived from them (compute-dtype copies,
 gathered parameters). With disk offload (``zero.offload = "disk"``) the masters and the AdamW state are
@@ -78,16 +84,20 @@ def state_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, topol
     placer = Placer(core)
     if engine is None:
         return _whole_pieces(core, optimizer, placer)
+    frozen = {n for n, p in core.named_parameters() if not p.requires_grad}
     pieces = []  # every sharded engine lists its flat master slices: ZeRO-1/2/3, and both parts under ep
     for master, rank, entries in engine.flat_shards():
+        entries = [e for e in entries if e[0] not in frozen]
         pieces += _flat_shard_pieces(master, rank, entries, optimizer.state[master], placer)
     return pieces
 
 
 def _whole_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, placer: Placer) -> list[Piece]:
-    """Each local parameter and its state, held whole in local shape."""
+    """Each local trainable parameter and its state, held whole in local shape."""
     pieces = []
     for name, p in core.named_parameters():
+        if not p.requires_grad:
+            continue  # frozen: rebuilt from the job's initial values, never saved (module doc)
         where = placer.place(name, p.shape)
         pieces.append(where.piece(f"model/{where.name}", p.detach()))
         state = optimizer.state.get(p, {}) if optimizer is not None else {}

@@ -5,7 +5,8 @@ A checkpoint ``runs/<name>/checkpoint/step_<n>`` (or its folder ``runs/<name>/ch
 complete one) is consolidated by ``tessera.checkpoint.consolidate`` (what ``tessera export`` writes),
 its model is described by the run's ``config.toml`` (``runs/<name>/config.toml``), built on the meta
 device and handed the consolidated tensors, so every weight is allocated once. Generation and Hugging
-Face export are one-device tools: this process holds the whole model.
+Face export are one-device tools: this process holds the whole model. A LoRA run's checkpoint holds its
+adapters only: its model is the run's base model with those adapters, merged into the base weights.
 """
 
 from __future__ import annotations
@@ -71,20 +72,54 @@ def run_config(checkpoint: Path):
     return cfg
 
 
-def checkpoint_model(path: str | Path, moe_drop_tokens: bool | None = None) -> tuple[Transformer, object, Path]:
-    """(whole model, run JobConfig, resolved checkpoint) of a checkpoint or a folder of them.
-    ``moe_drop_tokens``: override the run's ``moe.drop_tokens`` (generation routes every token)."""
+def adapted_model(cfg, checkpoint: Path) -> Transformer:
+    """The whole model of a LoRA run (``lora.rank`` > 0) in one process, adapters not merged: the base
+    weights are the run's initial values (its ``model.hf`` folder, or its seed), built as the trainer
+    builds them (``meta_model``), and the adapters are the checkpoint's (a LoRA checkpoint holds nothing
+    else). fp32, on the CPU."""
+    from tessera.models.init import materialize
+    from tessera.train.checkpoint import load_model
+    from tessera.train.trainer import meta_model
+
+    if cfg.model_hf and not Path(cfg.model_hf).is_dir():
+        raise UserError(f"the base model {cfg.model_hf} of the LoRA run of {checkpoint} is missing; its "
+                        f"checkpoints hold the adapters only")
+    from tessera.checkpoint.store import read_meta
+    from tessera.lora.record import check_record
+
+    check_record(read_meta(checkpoint).get("lora"), cfg, checkpoint)  # the base is the one it was trained on
+    model = meta_model(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, init_from="")))
+    materialize(model, torch.device("cpu"), torch.float32)
+    load_model(checkpoint, model)  # the trainable parameters: the adapters
+    return model
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``path`` names (itself, or the newest in a folder of them); UserError if none."""
     path = Path(path)
     checkpoint = resolve(path) if path.is_dir() else None
     if checkpoint is None:
         raise UserError(f"{path} is neither a Hugging Face model folder (config.json) nor a tessera checkpoint "
                         f"(runs/<name>/checkpoint or one step_<n> in it)")
+    return checkpoint
+
+
+def checkpoint_model(path: str | Path, moe_drop_tokens: bool | None = None) -> tuple[Transformer, object, Path]:
+    """(whole model, run JobConfig, resolved checkpoint) of a checkpoint or a folder of them; a LoRA run's
+    adapters merged into its base weights (``tessera.lora.merge``), so the model is an ordinary one.
+    ``moe_drop_tokens``: override the run's ``moe.drop_tokens`` (generation routes every token)."""
+    checkpoint = find_checkpoint(path)
     cfg = run_config(checkpoint)
-    moe = None
-    if cfg.model.num_experts:
-        moe = cfg.moe if moe_drop_tokens is None else dataclasses.replace(cfg.moe, drop_tokens=moe_drop_tokens)
+    if moe_drop_tokens is not None:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, drop_tokens=moe_drop_tokens))
+    if cfg.lora.enabled:
+        from tessera.lora.merge import merge_lora
+
+        model = adapted_model(cfg, checkpoint)
+        merge_lora(model)
+        return model, cfg, checkpoint
     state, _ = consolidate(checkpoint)
-    return whole_model(cfg.model, moe, state, checkpoint), cfg, checkpoint
+    return whole_model(cfg.model, cfg.moe if cfg.model.num_experts else None, state, checkpoint), cfg, checkpoint
 
 
 def tokenizer_file(spec: str) -> Path | None:

@@ -25,6 +25,7 @@ import contextlib
 import torch
 from torch import nn
 
+from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.data_parallel import DistributedDataParallel
 from tessera.moe.expert_parallel import apply_expert_parallel, expert_parameters
@@ -42,12 +43,14 @@ class ExpertDataParallel(nn.Module):
         dense = [p for p in params if id(p) not in experts]
         self.dense_parameters = dense
         # a plain list, so the wrapped module is not registered three times
-        common = dict(bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters, reduce_op="sum")
+        # buffers and frozen parameters are made equal below, each over its own group
+        common = dict(bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters, reduce_op="sum",
+                      broadcast_buffers=False)
         self._replicas = [
             DistributedDataParallel(module, dp, parameters=dense, **common),
-            DistributedDataParallel(module, edp, parameters=[p for p in params if id(p) in experts],
-                                    broadcast_buffers=False, **common),
+            DistributedDataParallel(module, edp, parameters=[p for p in params if id(p) in experts], **common),
         ]
+        _broadcast_untrained(module, dp, edp, experts)
         self._silenced = contextlib.ExitStack()  # manual mode: no_sync held open until the wrapper goes
         if manual:
             self._silenced.enter_context(self.no_sync())
@@ -69,6 +72,19 @@ class ExpertDataParallel(nn.Module):
         (the same buckets and collectives as a synchronised backward; for manual mode)."""
         for ddp in self._replicas:
             ddp.reducer.reduce_gradients()
+
+
+@torch.no_grad()
+def _broadcast_untrained(module: nn.Module, dp: CommGroup, edp: CommGroup, experts: set[int]) -> None:
+    """What no gradient reduction covers starts from one rank's values: buffers and frozen dense parameters
+    (a LoRA job's base weights) from dp rank 0, frozen expert parameters from edp rank 0 (over dp they
+    are other experts, which a dp-wide broadcast would overwrite). One message each (they start equal by
+    construction when built from initial-value origins; this is for models built otherwise)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    for t in [p for p in frozen if id(p) not in experts] + list(module.buffers()):
+        comm.broadcast(t.data, dp, src=0)
+    for p in [p for p in frozen if id(p) in experts]:
+        comm.broadcast(p.data, edp, src=0)
 
 
 def expert_parallelize(model: nn.Module, topology, ddp=None, manual: bool = False) -> ExpertDataParallel:

@@ -14,6 +14,9 @@ Backward communication: the inverse of 3 and of 2 (two all-to-alls of gradients,
 the counts. No capacity padding is sent: a rank sends exactly the rows it keeps, so the dispatch
 moves rows·D·bytes·(share of rows owned by other ranks) per direction.
 
+LoRA: an expert's adapters (``tessera.lora``, on its w1 / w2 / w3) are submodules of its linear layers,
+so they move with the expert and are expert parameters like its weights; the router takes none.
+
 Gradients of expert weights are complete for the ep group's tokens after backward; reducing them over
 the expert-data-parallel ranks (``edp``) and the dense ones over ``dp`` is
 :class:`tessera.moe.ExpertDataParallel`'s job.

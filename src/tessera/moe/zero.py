@@ -16,9 +16,9 @@ flats over dp and expert flats over edp) — the ZeRO counterpart of :class:`tes
 masters of the model's group g, so a learning-rate scheduler drives both alike).
 
 Built from the meta device (ZeRO-3 only; the other stages receive real parameters): the dense engine fills
-its flat slices from the origins of the dense parameters and leaves the experts, still on the meta
-device, to the expert engine, which fills its slices from theirs and then materialises what neither holds
-(``tessera.zero.stage3``); no rank ever allocates a whole parameter it does not own.
+its flat slices from the origins of the dense parameters (frozen ones included, in flats of their own)
+and leaves the experts, still on the meta device, to the expert engine, which fills its slices from
+theirs (``tessera.zero.stage3``); no rank ever allocates a whole parameter it does not own.
 
 Communication per step, as each stage has it for a dense model, with the dense collectives on dp (or
 dp_shard, then an all-reduce of slices over dp_replicate) and the expert ones on edp: ZeRO-1/2 a
@@ -54,7 +54,8 @@ class ExpertZeroDataParallel(nn.Module):
     """ZeRO-``stage`` (0-3) around an expert-parallel ``module``; exposes the sharded-engine interface
     (``optimizer``, ``clip_grad_norm``, ``step``, ``zero_grad``, ``gather_params``, ``memory_tensors``,
     ``no_sync``, ``reduce_gradients``, ``update.shards``). ``parts`` = (dense engine, expert engine), built
-    by ``make_part(groups, shard, replicate, norm_axes)``; ``dense`` / ``experts`` are their (shard,
+    by ``make_part(groups, shard, replicate, norm_axes, frozen)`` (``frozen``: its parameters needing no
+    gradient); ``dense`` / ``experts`` are their (shard,
     replicate) groups; ``ep`` the expert-parallel group."""
 
     def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, make_part,
@@ -71,9 +72,13 @@ class ExpertZeroDataParallel(nn.Module):
         # reaches every rank of the job: the dense slices span the data-parallel ranks (which hold ep), the
         # expert slices edp and, being different experts, ep; both every further axis (tp)
         others = {k: v for k, v in (norm_axes or {}).items() if k != "ep"}
+        # frozen parameters (LoRA's base weights) go with their kind too: ZeRO-3 shards the experts' over edp
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        frozen_dense = [p for p in frozen if id(p) not in is_expert]
         # a plain tuple, so the wrapped module is not registered three times
-        self.parts = (make_part(subset(lambda e: not e), *dense, others),
-                      make_part(subset(lambda e: e), *experts, {"ep": ep, **others}))
+        self.parts = (make_part(subset(lambda e: not e), *dense, others, frozen_dense),
+                      make_part(subset(lambda e: e), *experts, {"ep": ep, **others},
+                                [p for p in frozen if id(p) in is_expert]))
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:  # a meta parameter in neither engine's param groups: nothing would ever fill it
             raise ValueError(f"expert ZeRO: parameters {left[:3]} are on the meta device and in no param group")
@@ -170,9 +175,9 @@ def expert_zero(model: nn.Module, topology, param_groups, make_optimizer, stage:
     precision = precision or PrecisionConfig()
     device = device or topology.device
 
-    def make_part(groups, shard, replicate, axes):
+    def make_part(groups, shard, replicate, axes, frozen):
         return build_engine(model, groups, make_optimizer, shard, replicate, stage, zero, precision, device,
-                            TransformerBlock, axes, param_axes, manual)
+                            TransformerBlock, axes, param_axes, manual, frozen)
 
     edp = topology.group("edp_cp" if topology.size("cp") > 1 else "edp")  # cp ranks see other tokens
     experts = ((CommGroup.single("dp_shard", topology.ledger, topology.device), edp) if stage == 0 else

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.lora.layer import has_adapter, lora_delta
+
 
 class WeightGradStore:
     """Queued weight-gradient closures per micro-batch."""
@@ -73,11 +75,14 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, g_out):
         x, weight = ctx.saved_tensors
         g_x = g_out @ weight if ctx.needs_input_grad[0] else None
+        want_w, want_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        if not (want_w or want_b):  # a frozen layer (LoRA's base): no weight gradient to defer
+            return g_x, None, None, None
 
         def weight_grads():
             g2 = g_out.reshape(-1, g_out.shape[-1])
-            g_w = g2.t() @ x.reshape(-1, x.shape[-1])
-            g_b = g2.sum(0) if ctx.has_bias else None
+            g_w = g2.t() @ x.reshape(-1, x.shape[-1]) if want_w else None
+            g_b = g2.sum(0) if want_b else None
             return g_w, g_b
 
         if ctx.store.deferring:
@@ -85,7 +90,8 @@ class _SplitLinear(torch.autograd.Function):
 
             def later():
                 g_w, g_b = weight_grads()
-                _accumulate(w, g_w)
+                if g_w is not None:
+                    _accumulate(w, g_w)
                 if g_b is not None:
                     _accumulate(b, g_b)
             ctx.store.push(later)
@@ -98,7 +104,10 @@ def split_linears(module: nn.Module, store: WeightGradStore) -> int:
     """Route every nn.Linear in ``module`` through the split backward (and hand ``store`` to modules with a
     ``weight_grad_store`` attribute); returns how many were patched."""
     n = 0
+    adapter_parts = {id(part) for m in module.modules() if has_adapter(m) for part in (m.lora_A, m.lora_B)}
     for lin in module.modules():
+        if id(lin) in adapter_parts:  # computed by its layer's lora_delta, never called as a module
+            continue
         if hasattr(lin, "weight_grad_store"):  # a module that splits its own backward (see synthetic.py)
             lin.weight_grad_store = store
             n += 1
@@ -111,4 +120,7 @@ def split_linears(module: nn.Module, store: WeightGradStore) -> int:
 
 
 def _apply(x: torch.Tensor, lin: nn.Linear, store: WeightGradStore) -> torch.Tensor:
-    return _SplitLinear.apply(x, lin.weight, lin.bias, store)
+    y = _SplitLinear.apply(x, lin.weight, lin.bias, store)
+    if has_adapter(lin):  # LoRA: the adapter's own two small linears keep autograd's backward (B and W at once)
+        y = y + lora_delta(lin, x)
+    return y

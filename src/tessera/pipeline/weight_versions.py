@@ -70,7 +70,9 @@ class WeightVersions:
     def _stash_live(self) -> None:
         for s, module in self.stages.items():
             if self.updates not in self.snapshots[s]:
-                self.snapshots[s][self.updates] = {n: p.detach().clone() for n, p in module.named_parameters()}
+                # trainable weights only: frozen ones (LoRA's base) never change, so every version shares them
+                self.snapshots[s][self.updates] = {n: p.detach().clone() for n, p in module.named_parameters()
+                                                   if p.requires_grad}
 
     def forward(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
         v = self.version(stage, mb)
@@ -80,13 +82,15 @@ class WeightVersions:
         leaves = {n: t.detach().requires_grad_() for n, t in snap.items()}  # this mb's own gradients
         self.leaves[(stage, mb)] = leaves
         self.log.append({"kind": "F", "stage": stage, "mb": mb, "version": v, "sum": _checksum(leaves)})
-        return functional_call(self.stages[stage], leaves, (x,))
+        return functional_call(self.stages[stage], leaves, (x,))  # frozen weights: the module's own
 
     def after_backward(self, stage: int, mb: int) -> None:
         leaves = self.leaves.pop((stage, mb))
         self.log.append({"kind": "B", "stage": stage, "mb": mb, "version": self.version(stage, mb),
                          "sum": _checksum(leaves)})
         for n, p in self.stages[stage].named_parameters():
+            if n not in leaves:  # frozen: no gradient
+                continue
             g = leaves[n].grad
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 
 from tessera.errors import ConfigError
+from tessera.lora.config import TARGETS as LORA_TARGETS
+from tessera.lora.config import LoRAConfig
 from tessera.models.config import PRESETS, ModelConfig
 
 GiB = 2**30
@@ -61,7 +63,9 @@ GPU_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40g
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder's shapes. ``arch`` 'gpt' (LayerNorm, GeLU MLP of 4h, learned positions, biases, tied
-    head) or 'llama' (RMSNorm, SwiGLU, GQA, RoPE, no biases)."""
+    head) or 'llama' (RMSNorm, SwiGLU, GQA, RoPE, no biases). ``lora_rank`` > 0: a LoRA job (the
+    ``[lora]`` section): adapters of rank r on the ``lora_targets`` linears of every layer (each expert's
+    too), every other parameter frozen; the counts below (``num_params`` …) are the base model's."""
 
     name: str
     layers: int
@@ -77,6 +81,17 @@ class ModelSpec:
     top_k: int = 1  # MoE: experts each token visits
     moe_every: int = 1  # MoE: every moe_every-th layer has experts
     qkv_bias: bool = False  # llama arch: biases on q, k, v (Qwen2)
+    lora_rank: int = 0  # LoRA adapter rank r; 0 = full training
+    lora_targets: tuple = tuple(LoRAConfig().targets)  # the adapted linears (names of tessera.lora.TARGETS)
+
+    def __post_init__(self):
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_rank < 0:
+            raise ConfigError(f"model {self.name}: lora_rank must be a non-negative integer, got {self.lora_rank}")
+        unknown = sorted(set(self.lora_targets) - set(self.linear_shapes()))
+        if self.lora_rank and (unknown or not self.lora_targets):
+            raise ConfigError(f"model {self.name}: lora_targets must name some of its linears "
+                              f"({', '.join(self.linear_shapes())}), got {', '.join(self.lora_targets) or 'none'}")
 
     @property
     def head_dim(self) -> int:
@@ -93,6 +108,51 @@ class ModelSpec:
         """One expert's FFN (GeLU MLP with biases for gpt, SwiGLU for llama)."""
         h, f = self.hidden, self.ffn
         return 2 * h * f + f + h if self.arch == "gpt" else 3 * h * f
+
+    def linear_shapes(self) -> dict[str, tuple[int, int, str]]:
+        """(in, out, tensor-parallel split) of each linear of a layer an adapter may sit on (the FFN's: one
+        expert's), as tessera's tensor-parallel plan splits them: 'column' (output features) or 'row'."""
+        h, e, f = self.hidden, self.head_dim, self.ffn
+        shapes = {"wq": (h, self.heads * e, "column"), "wk": (h, self.kv_heads * e, "column"),
+                  "wv": (h, self.kv_heads * e, "column"), "wo": (self.heads * e, h, "row"),
+                  "w1": (h, f, "column"), "w2": (f, h, "row"), "w3": (h, f, "column")}
+        if self.arch == "gpt":  # GeLU MLP: w1 (h → 4h) and w2 only
+            del shapes["w3"]
+        return {k: v for k, v in shapes.items() if k in LORA_TARGETS}
+
+    def adapter_layer_params(self, tp: int = 1) -> tuple[float, float]:
+        """(dense, expert) LoRA parameters of an average layer that one of ``tp`` ranks holds (0, 0 without
+        LoRA). An adapter on an [out, in] weight is A [r, in] and B [out, r]; tensor parallelism splits it
+        as the weight (``tessera.tensor_parallel.adapters``): column-parallel keeps A whole and B's rows
+        [out/t, r], row-parallel A's columns [r, in/t] and B whole. Expert adapters are sharded over ep."""
+        if not self.lora_rank:
+            return 0.0, 0.0
+        r, attn, ffn = self.lora_rank, 0.0, 0.0
+        for name in self.lora_targets:
+            n_in, n_out, split = self.linear_shapes()[name]
+            held = r * (n_in + n_out / tp) if split == "column" else r * (n_in / tp + n_out)
+            if name in ("wq", "wk", "wv", "wo"):
+                attn += held
+            else:
+                ffn += held
+        frac = self.moe_fraction
+        return attn + (1.0 - frac) * ffn, frac * ffn * self.experts
+
+    def replicated_adapter_factors(self) -> list[tuple[float, float]]:
+        """(share of layers, elements) of each adapter factor tensor parallelism keeps whole on every rank
+        (column-parallel: A [r, in]; row-parallel: B [out, r]), whose gradient tp all-reduces in every
+        backward; an FFN target's share is that of the dense layers (experts are not split over tp)."""
+        out = []
+        for name in self.lora_targets if self.lora_rank else ():
+            n_in, n_out, split = self.linear_shapes()[name]
+            share = 1.0 if name in ("wq", "wk", "wv", "wo") else 1.0 - self.moe_fraction
+            if share:
+                out.append((share, self.lora_rank * (n_in if split == "column" else n_out)))
+        return out
+
+    def adapter_params(self) -> int:
+        """Trainable parameters of a LoRA job (every adapter, whole); 0 without LoRA."""
+        return round(self.layers * sum(self.adapter_layer_params()))
 
     def norm_params(self) -> int:
         return (4 if self.arch == "gpt" else 2) * self.hidden
@@ -116,10 +176,12 @@ class ModelSpec:
         pos = self.seq * self.hidden if self.arch == "gpt" else 0
         return self.vocab * self.hidden + pos
 
+    def final_norm_params(self) -> int:
+        return (2 if self.arch == "gpt" else 1) * self.hidden
+
     def head_params(self) -> int:
         """Output projection plus final norm (the head weight counts 0 when tied to the embedding)."""
-        norm = (2 if self.arch == "gpt" else 1) * self.hidden
-        return norm + (0 if self.tied else self.vocab * self.hidden)
+        return self.final_norm_params() + (0 if self.tied else self.vocab * self.hidden)
 
     def num_params(self) -> int:
         per_layer = self.dense_layer_params() + self.expert_layer_params()
@@ -138,15 +200,17 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 51200, 2048, arch="gpt", tied=True)
 
 
-def from_model_config(name: str, cfg: ModelConfig, top_k: int = 2) -> ModelSpec:
+def from_model_config(name: str, cfg: ModelConfig, top_k: int = 2, lora: LoRAConfig | None = None) -> ModelSpec:
     """The planner's view of a tessera reference-model config (Llama-style; MoE layers, when the config
-    has them, with ``top_k`` experts per token and no residual or shared experts)."""
+    has them, with ``top_k`` experts per token and no residual or shared experts), with the adapters of
+    ``lora`` (a job's ``[lora]`` section) when it has a rank."""
     experts = getattr(cfg, "num_experts", 0)
+    adapters = {} if lora is None else {"lora_rank": lora.rank, "lora_targets": tuple(lora.targets)}
     return ModelSpec(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden_dim,
                      cfg.vocab_size, cfg.max_seq_len, arch="llama", tied=cfg.tie_embeddings,
                      experts=max(1, experts), top_k=top_k if experts > 1 else 1,
                      moe_every=getattr(cfg, "moe_every", 1) if experts > 1 else 1,
-                     qkv_bias=getattr(cfg, "qkv_bias", False))
+                     qkv_bias=getattr(cfg, "qkv_bias", False), **adapters)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -176,6 +240,10 @@ def _replace(spec, overrides: dict, what: str):
             raise ConfigError(f"unknown {what} field '{key}'; valid fields are {', '.join(sorted(names))}")
         kind = type(getattr(spec, key))
         try:
+            if kind is tuple:  # "wq,wv" (a command line) or ["wq", "wv"] (a spec file)
+                clean[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) \
+                    else tuple(value)
+                continue
             clean[key] = (str(value).lower() in ("1", "true", "yes")) if kind is bool else kind(value)
         except ValueError:
             raise ConfigError(f"{what} field '{key}' needs a {kind.__name__}, got {value!r}") from None

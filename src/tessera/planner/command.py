@@ -10,6 +10,7 @@ from tessera.errors import ConfigError
 PLAN_EPILOG = """examples:
   tessera plan --model llama3-70b --gpus 512 --gpu h100 --global-batch 512
   tessera plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch 1536 --json
+  tessera plan --model llama3-70b --gpus 8 --gpu h100 --global-batch 64 --seq 4096 --lora-rank 16
   tessera plan --calibrate --model tessera-small --gpus 2 --global-batch 16 --seq 128 --precision fp32"""
 
 
@@ -28,6 +29,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     p.add_argument("--set-gpu", action="append", metavar="FIELD=VALUE", help="override a GPU field")
     p.add_argument("--set-model", action="append", metavar="FIELD=VALUE", help="override a model field")
+    p.add_argument("--lora-rank", type=int, help="fine-tune with LoRA adapters of this rank (lora.rank); the "
+                                                  "base weights frozen")
+    p.add_argument("--lora-targets", metavar="NAMES",
+                   help="comma-separated linears the adapters sit on (lora.targets; default wq,wk,wv,wo)")
     p.add_argument("--spec-file", help='JSON {"gpu": {...}, "model": {...}} of field overrides')
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's matmul rate and all-reduce α, β on local ranks and plan with them")
@@ -41,7 +46,10 @@ def _gpu_and_model(args):
     from tessera.planner.local import local_gpu
 
     gpu_file, model_file = load_spec_file(args.spec_file) if args.spec_file else ({}, {})
-    model = get_model(args.model, **{**model_file, **parse_overrides(args.set_model)})
+    lora = {"lora_rank": args.lora_rank} if args.lora_rank is not None else {}
+    if args.lora_targets is not None:
+        lora["lora_targets"] = args.lora_targets
+    model = get_model(args.model, **{**model_file, **parse_overrides(args.set_model), **lora})
     calibration = _calibration(args)
     if calibration is not None:
         gpu = local_gpu(args.gpus, calibration)
@@ -100,5 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     head = (f"{model.name} ({size} parameters) on {args.gpus} x {gpu.name}, "
             f"global batch {batch} x {seq} tokens, {args.precision} precision")
+    if model.lora_rank:
+        head += (f", LoRA rank {model.lora_rank} on {','.join(model.lora_targets)} "
+                 f"({model.adapter_params() / 1e6:.2f}M trainable, the rest frozen)")
     print(head + "\n" + explain(plan, args.gpus, flags=(rule.flags, [rule.layout_flags(e.layout) for e in plan.ranked])))
     return 0

@@ -5,6 +5,11 @@ in flight, the last the output layer and logits). Time: the stage's compute (at 
 its tensor-, context- and expert-parallel collectives, stretched by the pipeline bubble, plus the
 pipeline's point-to-point sends on the critical path, the exposed part of the data-parallel gradient
 synchronisation, and the optimizer update.
+
+LoRA (``spec.lora_rank`` > 0): the adapters are the trainable parameters (gradients, optimizer states,
+the data-parallel reduction and the update follow them alone); the base weights are frozen, held in the
+training dtype and sharded by ZeRO-3 only (which still gathers them for forward and backward); the
+backward still computes input gradients through them (``tessera.planner.flops.model_flops``).
 """
 
 from __future__ import annotations
@@ -38,16 +43,31 @@ class Estimate:
 
 
 def _stage_params(spec, layout, first: bool, last: bool) -> tuple[float, float]:
-    """(dense, expert) parameters one rank of a stage holds."""
+    """(dense, expert) parameters one rank of a stage holds: tp splits the matrices (the experts too, as
+    the planner approximates), the norms' weights are whole on every tp rank."""
     per_stage = spec.layers / layout.pp
-    dense = per_stage * spec.dense_layer_params() / layout.tp
+    norms = spec.norm_params()
+    dense = per_stage * ((spec.dense_layer_params() - norms) / layout.tp + norms)
     if first:
         dense += spec.embedding_params() / layout.tp
     if last:
-        head = spec.head_params() + (spec.vocab * spec.hidden if spec.tied and layout.pp > 1 else 0)
-        dense += head / layout.tp
+        norm = spec.final_norm_params()
+        head = spec.head_params() - norm + (spec.vocab * spec.hidden if spec.tied and layout.pp > 1 else 0)
+        dense += head / layout.tp + norm
     expert = per_stage * spec.expert_layer_params() / (layout.ep * layout.tp)
     return dense, expert
+
+
+def _stage_split(spec, layout, first: bool, last: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((trainable, frozen) dense, (trainable, frozen) expert) parameters one rank of a stage holds: all
+    of them trainable, or with LoRA the adapters (split over tp as their layers, experts' over ep) and
+    the base weights frozen."""
+    dense, expert = _stage_params(spec, layout, first, last)
+    if not spec.lora_rank:
+        return (dense, 0.0), (expert, 0.0)
+    per_stage = spec.layers / layout.pp
+    a_dense, a_expert = spec.adapter_layer_params(layout.tp)
+    return (per_stage * a_dense, dense), (per_stage * a_expert / layout.ep, expert)
 
 
 def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
@@ -66,15 +86,20 @@ def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
     return dense + spec.moe_fraction * tokens * (moe - elem * 4 * spec.ffn) / layout.tp
 
 
-def _model_states(n: float, layout, shard: int, precision: str, optimizer: str) -> dict:
-    """ZeRO's model-state bytes of ``n`` parameters sharded over ``shard`` ranks. Under a pipeline the
-    gradients accumulate whole over the step's micro-batches and are reduce-scattered once after the last
-    one (``tessera.train.pipeline_step``), so ZeRO-2/3 hold full gradients during the step, as ZeRO-1."""
-    states = model_state_bytes(n, zero_stage=layout.zero_stage, dp=shard, precision=precision, optimizer=optimizer)
+def _model_states(n: tuple[float, float], layout, shard: int, precision: str, optimizer: str) -> dict:
+    """ZeRO's model-state bytes of ``n`` = (trainable, frozen) parameters sharded over ``shard`` ranks.
+    Frozen ones (LoRA's base weights) are held in the training dtype alone, whole unless ZeRO-3 shards
+    them, with no gradient, master or optimizer state. Under a pipeline the gradients accumulate whole
+    over the step's micro-batches and are reduce-scattered once after the last one
+    (``tessera.train.pipeline_step``), so ZeRO-2/3 hold full gradients during the step, as ZeRO-1."""
+    trainable, frozen = n
+    states = model_state_bytes(trainable, zero_stage=layout.zero_stage, dp=shard, precision=precision,
+                               optimizer=optimizer)
     if layout.pp > 1 and layout.zero_stage >= 2:
-        states["grads"] = model_state_bytes(n, zero_stage=1, dp=shard, precision=precision,
+        states["grads"] = model_state_bytes(trainable, zero_stage=1, dp=shard, precision=precision,
                                             optimizer=optimizer)["grads"]
-        states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    states["params"] += ELEM_BYTES[precision] * frozen / (shard if layout.zero_stage >= 3 else 1)
+    states["total"] = states["params"] + states["grads"] + states["optimizer"]
     return states
 
 
@@ -88,18 +113,19 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     first, last = stage == 0, stage == layout.pp - 1
     elem = ELEM_BYTES[precision]
     shard = layout.dp * layout.cp  # cp ranks hold the same weights, so ZeRO shards over dp × cp
-    dense, expert = _stage_params(spec, layout, first, last)
+    dense, expert = _stage_split(spec, layout, first, last)
     states = _model_states(dense, layout, shard, precision, optimizer)
-    if expert:
+    if sum(expert):
         ex = _model_states(expert, layout, max(1, shard // layout.ep), precision, optimizer)
         states = {k: states[k] + ex[k] for k in states}
+    trainable = dense[0] + expert[0]
     # mixed precision: the update reads an fp32 copy of this rank's reduced gradient slice (next to the
     # masters, so on the host with host offload)
-    update_grads = 4 * (dense + expert) / (shard if layout.zero_stage else 1) if precision == "mixed" else 0.0
+    update_grads = 4 * trainable / (shard if layout.zero_stage else 1) if precision == "mixed" else 0.0
     host, offload = 0.0, offload_kind(layout.offload)
     if offload != "none":  # the host runs the update: optimizer states there, and in fp32 training (no
         # master copy among the optimizer states) an fp32 copy of the parameter shard to update
-        master = 4 * (dense + expert) / shard if precision == "fp32" else 0.0
+        master = 4 * trainable / shard if precision == "fp32" else 0.0
         moved, states["optimizer"] = states["optimizer"] + master, 0.0
         host = moved + update_grads if offload == "host" else DISK_STAGING_BYTES
         update_grads = 0.0 if offload == "host" else update_grads
@@ -127,12 +153,19 @@ def _zero3_buffers(spec, layout, shard: int, elem: int) -> float:
     each layer, the embedding and the output head (``unit`` elements: the largest). In backward, without
     a pipeline: the unit computing and the one prefetched, the gradient [unit] accumulating and the one
     before it still being reduce-scattered. Under a pipeline (manual mode, no prefetch) a unit is gathered
-    for its use (the full gradients of the stage are counted among the model states)."""
+    for its use (the full gradients of the stage are counted among the model states). LoRA: a unit's
+    gradient is its adapters' (a layer's; the embedding and head have none)."""
     if layout.zero_stage != 3 or shard == 1:
         return 0.0
     layer = spec.dense_layer_params() / layout.tp + spec.expert_layer_params() / (layout.ep * layout.tp)
     unit = max(layer, spec.embedding_params() / layout.tp, spec.head_params() / layout.tp)
-    return (2 if layout.pp > 1 else 4) * unit * elem
+    if layout.pp > 1:
+        return 2 * unit * elem
+    grad_unit = unit
+    if spec.lora_rank:
+        a_dense, a_expert = spec.adapter_layer_params(layout.tp)
+        grad_unit = a_dense + a_expert / layout.ep
+    return 2 * (unit + grad_unit) * elem
 
 
 def memory_per_rank(spec, layout, global_batch: int, seq: int, precision: str = "mixed",
@@ -183,6 +216,9 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     compute = (flops / layout.world / gpu.peak_flops + elementwise + calls) / gpu.compute_efficiency
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
+    if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole
+        tp += m * layers_here * sum(s * (cm.all_reduce_s(n * elem, layout.tp, links["tp"]) + sync)
+                                    for s, n in spec.replicated_adapter_factors())
     # context parallel: keys and values gathered forward, gathered again and reduce-scattered backward
     # (ring attention: 3cp − 2 blocking shifts per layer)
     kv_bytes = 2 * layout.micro_batch * seq * spec.head_dim * spec.kv_heads / layout.tp * elem
@@ -228,9 +264,10 @@ def _tensor_parallel_s(layout, link, sync: float, m: int, layers_here: float, se
 def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precision, optimizer):
     """Exposed gradient-sync time, the optimizer's memory-bound update, and offload transfers."""
     n = layout.dp * layout.cp
-    dense, expert = _stage_params(spec, layout, True, layout.pp == 1)
-    params = dense + expert  # experts sync over fewer ranks; the same bytes move, so count them together
-    grad_bytes = params * elem
+    dense, expert = _stage_split(spec, layout, True, layout.pp == 1)
+    params = dense[0] + expert[0]  # experts sync over fewer ranks; the same bytes move, so count them together
+    grad_bytes = params * elem  # the trainable parameters' (LoRA: the adapters')
+    held_bytes = (sum(dense) + sum(expert)) * elem  # what ZeRO-3 gathers (LoRA: frozen weights too)
     window = compute * 2.0 / 3.0 / m * gpu.overlap  # the last micro-batch's backward hides gradient buckets
     # one blocking start-up per 25 MB bucket (ZeRO-3: per unit, a block or the root, and use)
     syncs = math.ceil(grad_bytes / BUCKET_BYTES) * gpu.collective_sync_s if n > 1 else 0.0
@@ -240,7 +277,7 @@ def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precisi
         exposed = (max(0.0, cm.reduce_scatter_s(grad_bytes, n, link) + syncs - window)
                    + cm.all_gather_s(grad_bytes, n, link) + syncs)
     else:  # gather weights for forward and backward, reduce-scatter gradients, every micro-batch; prefetched
-        z3 = m * (2 * cm.all_gather_s(grad_bytes, n, link) + cm.reduce_scatter_s(grad_bytes, n, link))
+        z3 = m * (2 * cm.all_gather_s(held_bytes, n, link) + cm.reduce_scatter_s(grad_bytes, n, link))
         units = spec.layers / layout.pp + 1
         z3 += m * 3 * units * gpu.collective_sync_s if n > 1 else 0.0
         exposed = max(0.0, z3 - compute * gpu.overlap)
@@ -266,15 +303,38 @@ def estimate(spec, layout, gpu, global_batch: int, seq: int | None = None, preci
     return Estimate(layout, mem, host, parts, total, tokens / total, mfu, bubble, fits)
 
 
+def _dp_bytes(spec, layout, m: int, elem: int) -> float:
+    """The dp axis of :func:`comm_bytes`."""
+    dense, expert = _stage_split(spec, layout, True, layout.pp == 1)
+    # experts are replicated over dp·cp/ep ranks only: with ep = dp·cp nothing reduces their gradients
+    replicas = layout.dp * layout.cp
+    if replicas == 1:
+        return 0.0
+    reduced = replicas // layout.ep > 1
+    grad = (dense[0] + (expert[0] if reduced else 0.0)) * elem  # trainable (LoRA: adapters)
+    held = (sum(dense) + (sum(expert) if reduced else 0.0)) * elem  # ZeRO-3 gathers frozen weights too
+    # ZeRO-3's root unit (tessera's block policy leaves only the final norm in it) stays gathered from
+    # forward to backward: one gather fewer per micro-batch; LoRA: the frozen embedding has no backward
+    root = spec.hidden * elem if layout.pp == 1 else 0.0
+    if spec.lora_rank and not spec.tied:
+        root += spec.embedding_params() / layout.tp * elem
+    # ZeRO-2 keeps no whole gradient to accumulate in: it reduce-scatters every backward (a pipeline's once)
+    zero2 = (m if layout.pp == 1 else 1) * grad + grad
+    return {0: grad, 1: 2 * grad, 2: zero2, 3: (2 * held + grad - root) * m}[layout.zero_stage]
+
+
 def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixed") -> dict:
     """Payload bytes per rank per step on the dp and tp axes, in tessera.comm's ledger convention (the
     full, unsharded size for gathers and scatters), as Megatron-style implementations issue them:
 
-    dp: DDP all-reduces the gradients once (G = local parameters × element size); ZeRO-1/2 reduce-scatter
-    them and all-gather the updated parameters (2G); ZeRO-3 gathers every unit's parameters for forward
-    and again for backward and reduce-scatters its gradients on every micro-batch (3G·m: the ZeRO
-    paper's 1.5× of DDP's traffic, less one gather of the root unit, which stays gathered from forward
-    to backward: with tessera's block wrap policy it holds only the final norm). Expert gradients are reduced over their dp·cp/ep replicas
+    dp: DDP all-reduces the gradients once (G = local trainable parameters × element size); ZeRO-1
+    reduce-scatters them and all-gathers the updated parameters (2G), ZeRO-2 reduce-scatters every
+    micro-batch's ((m + 1)G; a pipeline's once); ZeRO-3 gathers every unit's parameters
+    for forward and again for backward and reduce-scatters its gradients on every micro-batch (3G·m, the
+    ZeRO paper's 1.5× of DDP's traffic; LoRA: the gathers move the frozen weights too, (2P + G)·m), less
+    one gather of the root unit, which stays gathered from forward to backward (tessera's block wrap
+    policy leaves only the final norm in it), and with LoRA of the (untied) embedding, whose unit needs no
+    backward. Expert gradients are reduced over their dp·cp/ep replicas
     only, so with ep = dp·cp the dense gradients alone cross the dp axis.
     tp: per layer and micro-batch, 2 all-reduces forward and 2 backward of the activation a = b·s·h·e;
     with sequence parallelism each becomes an all-gather plus a reduce-scatter (twice the payload count,
@@ -283,7 +343,9 @@ def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixe
     vocab-parallel embedding's forward all-reduce and the column-parallel head's backward all-reduce
     (2a; 4a as gathers/scatters with SP), the vocab-parallel cross-entropy's three fp32 per-token
     reductions (max, sum of exponentials, target logit), and with SP the all-reduce of the norm weights'
-    gradients, which each rank saw for its slice of the sequence.
+    gradients, which each rank saw for its slice of the sequence (LoRA: frozen, none; instead each
+    backward all-reduces the gradient of every adapter factor tp keeps whole, and skips the first layer's
+    input gradient: below it only the frozen embedding).
     pp: per micro-batch, each of the v·p − 1 stage boundaries carries the activation forward and its
     gradient backward (b·s·h·e, /t with SP); a rank is at 2(vp − 1)/p boundary ends on average, and the
     ledger counts a message at both ends (send and receive): 4m(vp − 1)/p · a.
@@ -295,16 +357,7 @@ def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixe
     """
     elem = ELEM_BYTES[precision]
     m = layout.microbatches(global_batch)
-    dense, expert = _stage_params(spec, layout, True, layout.pp == 1)
-    # experts are replicated over dp·cp/ep ranks only: with ep = dp·cp nothing reduces their gradients
-    replicas = layout.dp * layout.cp
-    grad = (dense + (expert if replicas // layout.ep > 1 else 0.0)) * elem
-    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
-    if replicas > 1:
-        # ZeRO-3's root unit (tessera's block policy leaves only the final norm in it) stays gathered from
-        # forward to backward: one gather fewer per micro-batch
-        root = spec.hidden * elem if layout.pp == 1 else 0.0
-        out["dp"] = {0: grad, 1: 2 * grad, 2: 2 * grad, 3: (3 * grad - root) * m}[layout.zero_stage]
+    out = {"dp": _dp_bytes(spec, layout, m, elem), "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
     if layout.tp > 1:
         tokens = layout.micro_batch * (seq // layout.cp)
         act = tokens * spec.hidden * elem
@@ -312,7 +365,11 @@ def comm_bytes(spec, layout, global_batch: int, seq: int, precision: str = "mixe
         layers = spec.layers / layout.pp * act * (10 if layout.sp else 4)
         around = 2 * act * per_collective + 3 * tokens * 4
         norms = (spec.layers / layout.pp * spec.norm_params() + spec.hidden) * elem if layout.sp else 0.0
-        out["tp"] = m * (layers + around) + norms
+        adapters = spec.layers / layout.pp * sum(s * n for s, n in spec.replicated_adapter_factors()) * elem
+        # LoRA: nothing below the first layer needs a gradient, so its input's backward reduction is skipped
+        # (the first stage's; averaged over the stages)
+        first = act / layout.pp if spec.lora_rank else 0.0
+        out["tp"] = m * (layers + around + adapters - first) + (0.0 if spec.lora_rank else norms)
     seq_local = seq // layout.cp
     act = layout.micro_batch * seq_local * spec.hidden * elem / (layout.tp if layout.sp else 1)
     if layout.pp > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 GB = 1e9
 
 
@@ -44,8 +46,8 @@ def train_flags(common: list, per_layout: list, gpus: int) -> str:
     """The ``tessera train`` command of each ranked layout: the flags they share, then each one's own."""
     launch = f"--nproc {gpus}" if gpus <= 8 else "under torchrun"
     lines = [f"train flags ({gpus} ranks: {launch}; the common flags, then a layout's own):",
-             "tessera train " + " ".join(common)]
-    lines += [f"{f'#{i}':>5}  " + " ".join(flags) for i, flags in enumerate(per_layout, 1)]
+             "tessera train " + shlex.join(common)]  # quoted where a shell needs it (a list's brackets)
+    lines += [f"{f'#{i}':>5}  " + shlex.join(flags) for i, flags in enumerate(per_layout, 1)]
     return "\n".join(lines)
 
 

@@ -39,8 +39,16 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
 def model_flops(spec, tokens: float, seq: int) -> float:
     """Training FLOPs the model needs for ``tokens`` tokens (no recomputation): 6 per matmul weight per
     token plus attention's score and value matmuls, 12·l·h·s per token (counted without the causal
-    saving, as Narayanan et al. do). For a GPT this equals eq. 3 without recomputation."""
-    return tokens * (6.0 * spec.matmul_params_per_token() + 12.0 * spec.layers * spec.hidden * seq)
+    saving, as Narayanan et al. do). For a GPT this equals eq. 3 without recomputation.
+
+    LoRA (``spec.lora_rank`` > 0): a frozen weight needs no weight gradient, only the input gradient the
+    layers below it need: 4 per frozen matmul weight; each adapter weight a token meets (every layer's,
+    its top-k experts') costs 6, as any trainable one."""
+    per_weight = 4.0 if spec.lora_rank else 6.0
+    a_dense, a_expert = spec.adapter_layer_params()
+    adapters = spec.layers * (a_dense + a_expert * spec.top_k / spec.experts)
+    return tokens * (per_weight * spec.matmul_params_per_token() + 6.0 * adapters
+                     + 12.0 * spec.layers * spec.hidden * seq)
 
 
 def recompute_flops(spec, tokens: float, seq: int, recompute: str) -> float:

@@ -9,6 +9,7 @@ The mapping, layout → settings (``dry_run.planner_layout`` is its inverse):
 
     dp          parallel.dp_replicate (DDP) or parallel.dp_shard (ZeRO: state sharded over dp)
     pp, tp, cp, ep, zero_stage      parallel.<same>
+    (model) lora_rank, lora_targets lora.rank, lora.targets      (a LoRA job: lora_rank > 0)
     sp          tensor_parallel.sequence_parallel            (tp > 1)
     schedule    pipeline.schedule; m = global_batch / (dp·micro_batch) → pipeline.microbatches;
                 virtual_stages → pipeline.virtual_stages      (pp > 1)
@@ -17,6 +18,9 @@ The mapping, layout → settings (``dry_run.planner_layout`` is its inverse):
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 from tessera.errors import ConfigError
 from tessera.planner.memory import offload_kind
@@ -61,7 +65,7 @@ def offload_setting(offload):
 
 def as_flags(settings: dict) -> list[str]:
     """``--section.key=value`` for each setting that differs from the trainer's default (booleans in
-    lower case, as the loader reads them)."""
+    lower case, lists in JSON, as the loader reads them)."""
     from tessera.train.config import SECTIONS
 
     flags = []
@@ -69,20 +73,25 @@ def as_flags(settings: dict) -> list[str]:
         section, name = key.split(".")
         if section != "model" and getattr(SECTIONS[section](), name) == value:
             continue
-        flags.append(f"--{key}={str(value).lower() if isinstance(value, bool) else value}")
+        text = str(value).lower() if isinstance(value, bool) else json.dumps(value) if isinstance(value, list) \
+            else value
+        flags.append(f"--{key}={text}")
     return flags
 
 
 def model_settings(spec, seq: int) -> dict:
     """The trainer's model for a catalogue ``ModelSpec``: its preset when the spec is a tessera preset's,
     else the shapes over the default preset (tessera's decoder is Llama-style: a ``gpt`` spec becomes a
-    Llama-style model of the same sizes, which the validity rule judges the same way)."""
+    Llama-style model of the same sizes, which the validity rule judges the same way); a LoRA spec's
+    adapters as the ``[lora]`` keys."""
     from tessera.models.config import PRESETS
 
     from tessera.planner.catalog import from_model_config
 
     preset = spec.name.removeprefix("tessera-")
-    if preset in PRESETS and spec == from_model_config(spec.name, PRESETS[preset], top_k=spec.top_k):
+    adapters = {"lora_rank": spec.lora_rank, "lora_targets": spec.lora_targets}
+    if preset in PRESETS and spec == dataclasses.replace(
+            from_model_config(spec.name, PRESETS[preset], top_k=spec.top_k), **adapters):
         out = {"model.preset": preset}
         if seq > spec.seq:
             out["model.max_seq_len"] = seq
@@ -94,6 +103,8 @@ def model_settings(spec, seq: int) -> dict:
             out.update({"model.num_experts": spec.experts, "model.moe_every": spec.moe_every})
     if spec.experts > 1:
         out["moe.top_k"] = spec.top_k
+    if spec.lora_rank:
+        out.update({"lora.rank": spec.lora_rank, "lora.targets": list(spec.lora_targets)})
     return out
 
 

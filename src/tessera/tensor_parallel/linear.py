@@ -15,7 +15,9 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import CommGroup
+from tessera.lora import has_adapter, lora_delta
 from tessera.models.init import assign
+from tessera.tensor_parallel.adapters import attach_adapter
 from tessera.tensor_parallel.regions import gather_seq, reduce_scatter_seq
 
 INPUT_MODES = ("replicated", "parallel", "sequence")
@@ -55,6 +57,11 @@ class ColumnParallelLinear(nn.Module):
       "sequence":   x is split along the sequence (SP) — fwd all-gather of x, bwd reduce-scatter of dx.
     ``gather_output``: fwd all-gather of y along features into [.., O], bwd keeps this rank's slice;
     otherwise y stays split [.., O/N] (the input a RowParallelLinear expects).
+
+    LoRA (a dense layer with an adapter): A [r, I] whole, B [O/N, r] this rank's rows, so the adapter's
+    output y_r += scale · (x Aᵀ) B_rᵀ is split like y and needs no forward communication; x is the input
+    the weight sees (the gathered sequence under SP). Each rank's dA covers only its B rows: A enters
+    through ``copy_to``, so bwd all-reduces dA [r, I] over tp (as SP's norm weights).
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, bias: bool = False,
@@ -79,6 +86,12 @@ class ColumnParallelLinear(nn.Module):
             _assign_rows(layer.weight, linear.weight, group, padded_out)
             if linear.bias is not None:
                 _assign_rows(layer.bias, linear.bias, group, padded_out)
+        if has_adapter(linear):
+            if layer.out_padded != layer.out_features:
+                raise ValueError("a LoRA adapter cannot sit on a layer whose outputs are padded for tp")
+            per = layer.out_padded // group.size
+            b_rows = linear.lora_B.weight[group.rank * per : (group.rank + 1) * per]  # a view: [O/N, r]
+            attach_adapter(layer, linear, linear.lora_A.weight, (0, 0), False, b_rows, (group.rank * per, 0), True)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +100,8 @@ class ColumnParallelLinear(nn.Module):
         elif self.input_mode == "sequence":
             x = gather_seq(x, self.group, dim=1)
         y = F.linear(x, self.weight, self.bias)  # [.., O/N]
+        if has_adapter(self):
+            y = y + lora_delta(self, x, a=comm.copy_to(self.lora_A.weight, self.group))  # [.., O/N]
         return comm.gather_from(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -104,6 +119,11 @@ class RowParallelLinear(nn.Module):
       "reduce_scatter": fwd reduce-scatter along the sequence (SP), bwd all-gather of dy.
       "partial":        no comm; the caller reduces.
     The bias, replicated, is added once after the reduction.
+
+    LoRA (a dense layer with an adapter): A_r [r, I/N] this rank's columns, B [O, r] whole; the adapter's
+    partial output scale · (x_r A_rᵀ) Bᵀ is added to the partial sum before the reduction, so it rides
+    the layer's own all-reduce / reduce-scatter (Σ_r x_r A_rᵀ = x Aᵀ). Each rank's dB covers only its
+    partial h = x_r A_rᵀ: B enters through ``copy_to``, so bwd all-reduces dB [O, r] over tp.
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, bias: bool = False,
@@ -127,12 +147,18 @@ class RowParallelLinear(nn.Module):
             assign(layer.weight, linear.weight.chunk(group.size, dim=1)[group.rank])
             if linear.bias is not None:
                 assign(layer.bias, linear.bias)
+        if has_adapter(linear):
+            cols = linear.in_features // group.size
+            a_cols = linear.lora_A.weight.chunk(group.size, dim=1)[group.rank]  # a view: [r, I/N]
+            attach_adapter(layer, linear, a_cols, (0, group.rank * cols), True, linear.lora_B.weight, (0, 0), False)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to(x, self.group, dim=-1)
         y = F.linear(x, self.weight)  # partial sum [.., O]
+        if has_adapter(self):
+            y = y + lora_delta(self, x, b=comm.copy_to(self.lora_B.weight, self.group))  # partial too
         if self.output_mode == "reduce":
             y = comm.reduce_from(y, self.group)
         elif self.output_mode == "reduce_scatter":

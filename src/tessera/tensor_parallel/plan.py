@@ -29,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.errors import ConfigError
+from tessera.lora import has_adapter
+from tessera.tensor_parallel.adapters import frozen_names, refreeze
 from tessera.tensor_parallel.config import TensorParallelConfig
 from tessera.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.regions import gather_seq
@@ -140,6 +142,15 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
 
 
+def _adapter_dropout(layer: nn.Module, rng: TensorParallelRNG, kind: str) -> nn.Module:
+    """A LoRA adapter's input dropout on the stream of its input: the whole x of a column-parallel layer is
+    the same on every tp rank ("replicated"), a row-parallel layer's x_r are different features ("split")."""
+    p = getattr(getattr(layer, "lora_dropout", None), "p", 0.0) if has_adapter(layer) else 0.0
+    if p > 0:
+        layer.lora_dropout = TensorParallelDropout(p, rng, kind)
+    return layer
+
+
 def _apply_style(model, name, module, style, group, cfg, rng) -> None:
     sp, n = cfg.sequence_parallel, group.size
     if style in ("attention", "mlp"):
@@ -155,10 +166,12 @@ def _apply_style(model, name, module, style, group, cfg, rng) -> None:
             if getattr(core, "dropout", 0.0):
                 _attention_rng_hooks(core, rng)
     elif style == "colwise":
-        _replace(model, name, ColumnParallelLinear.from_linear(module, group, input_mode="parallel"))
+        _replace(model, name, _adapter_dropout(
+            ColumnParallelLinear.from_linear(module, group, input_mode="parallel"), rng, "replicated"))
     elif style == "rowwise":
         mode = "reduce_scatter" if sp else "reduce"
-        _replace(model, name, RowParallelLinear.from_linear(module, group, output_mode=mode))
+        _replace(model, name, _adapter_dropout(
+            RowParallelLinear.from_linear(module, group, output_mode=mode), rng, "split"))
     elif style == "norm":
         if sp:
             _replace(model, name, SequenceParallelRMSNorm(module.weight, module.eps, group))
@@ -195,7 +208,7 @@ def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParalle
     plan = plan if plan is not None else default_plan()
     rng = TensorParallelRNG(group, cfg.seed)
     tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
-    matched = set()
+    matched, frozen = set(), frozen_names(model)
     for name, module in list(model.named_modules()):
         for pattern, style in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
@@ -208,5 +221,6 @@ def apply_tensor_parallel(model: nn.Module, group: CommGroup, cfg: TensorParalle
     if (tied and isinstance(getattr(model, "output", None), VocabParallelHead)
             and getattr(model, "tok_embeddings", None) is not None):  # a last pipeline stage has no embedding
         model.output.weight = model.tok_embeddings.weight  # same rows on each rank: still one tensor
+    refreeze(model, frozen)  # LoRA: the base weights stay frozen in their parallel layers
     model.tensor_parallel = (group, cfg)  # the group and config this model was split with, for callers
     return model

@@ -13,6 +13,7 @@
     [checkpointing] activation checkpointing: none, full or selective, every k-th block
     [ps]         parameter-server mode (model.preset = "ctr"): roles, BSP/ASP/SSP, row-wise optimizer
     [moe] [tensor_parallel] [context_parallel] [pipeline]   options of those strategies
+    [lora]       low-rank adapters: rank (0 = off), alpha, dropout, target linear layers; the rest frozen
 
 Defaults (these dataclasses'): the ``small`` preset on the standard-library corpus with data parallelism
 over the local ranks; ``tessera train`` given no layout at all runs the 3D demo instead (tessera.cli).
@@ -32,6 +33,7 @@ from tessera.composition import validate_composition
 from tessera.context_parallel.config import ContextParallelConfig
 from tessera.data_parallel.config import DDPConfig
 from tessera.errors import ConfigError
+from tessera.lora.config import LoRAConfig
 from tessera.models import ModelConfig, model_config
 from tessera.models.moe import MoEConfig, validate_moe
 from tessera.parameter_server.config import PSConfig
@@ -122,6 +124,7 @@ class JobConfig:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # "section.key" -> value for every key the user gave (TOML or override) that differs from its default;
     # filled by load_config (empty for a config built in code), read by settings.check_settings_take_effect
     explicit: dict = field(default_factory=dict)
@@ -132,7 +135,7 @@ SECTIONS = {
     "optim": OptimConfig, "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
     "zero": ZeroConfig, "precision": PrecisionConfig, "checkpointing": RecomputeConfig,
     "ps": PSConfig, "moe": MoEConfig, "tensor_parallel": TensorParallelConfig,
-    "context_parallel": ContextParallelConfig, "pipeline": PipelineConfig,
+    "context_parallel": ContextParallelConfig, "pipeline": PipelineConfig, "lora": LoRAConfig,
 }
 # presets that are not a Transformer: their [model] keys are ignored and their own section configures them
 NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the parameter-server mode, see [ps]
@@ -205,6 +208,10 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
         from tessera.hf.job import check_weights
 
         check_weights(cfg.model_hf, cfg.model, cfg.moe)
+    if cfg.lora.enabled and cfg.lora.init_from:  # the adapter's tensor names and shapes fit the model
+        from tessera.lora.peft import check_init_from
+
+        check_init_from(cfg.lora, cfg.model, cfg.moe)
     validate_degrees(cfg.parallel, world_size)
     check_vocabulary(cfg.data, cfg.model.vocab_size)  # the data's tokenizer fits the model's vocabulary
     if cfg.data.seq_len > cfg.model.max_seq_len:
@@ -226,7 +233,17 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
     if cfg.checkpoint.resume not in ("", "auto") and not Path(cfg.checkpoint.resume).is_dir():
         raise ConfigError(f"checkpoint.resume: no checkpoint folder at {cfg.checkpoint.resume}")
     check_settings_take_effect(cfg, dp)
+    check_lora(cfg, dp)
     return cfg
+
+
+def check_lora(cfg: JobConfig, parallel: ParallelConfig) -> None:
+    """A ``[lora]`` key other than the rank acts only with adapters (lora.rank > 0): refused otherwise, as
+    every key without effect is (``tessera.train.settings``)."""
+    given = [key for key in cfg.explicit if key.startswith("lora.") and key != "lora.rank"]
+    if given and not cfg.lora.enabled:
+        raise ConfigError(f"{given[0]}={cfg.explicit[given[0]]!r} has no effect in this job: it applies only with "
+                          f"adapters (lora.rank > 0), but lora.rank=0; remove it or set lora.rank")
 
 
 def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:

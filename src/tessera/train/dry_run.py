@@ -58,7 +58,7 @@ def predicted_memory(cfg, par: ParallelConfig) -> tuple[list[dict], list[str]]:
     """Predicted bytes of one rank of each pipeline stage (list index = stage), by kind, and the planner's
     notes."""
     layout, batch, notes = planner_layout(cfg, par)
-    spec = from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k)
+    spec = from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k, lora=cfg.lora)
     precision = "fp32" if cfg.precision.dtype == "fp32" else "mixed"
     memory = [stage_memory(spec, layout, batch, cfg.data.seq_len, precision, "adam", stage)[0]
               for stage in range(layout.pp)]

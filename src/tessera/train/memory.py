@@ -1,6 +1,8 @@
 """MemoryLedger: bytes a rank holds, counted from live tensors.
 
-Categories: parameters, gradients, optimizer states and the activations saved for backward. Tensors are
+Categories: parameters, gradients, optimizer states and the activations saved for backward (frozen
+parameters, a LoRA job's base weights, count as parameters and have neither gradients nor optimizer
+state, so those two follow the trainable parameters). Tensors are
 deduplicated by storage (a gradient that is a view into a communication bucket counts the whole bucket
 once; tied weights count once), so the numbers are what the process really holds. The peak resident set
 of the process and, on an accelerator, its peak allocation come with them.
@@ -76,6 +78,9 @@ class MemoryLedger:
         """Bytes of parameters, gradients and optimizer state (masters included) this rank holds."""
         if self.state_fn is not None:
             held = self.state_fn()
+            # + the model's own parameters: those no engine took (frozen ones left whole by ZeRO-0/1/2; the
+            # others are views of the engine's buffers, counted once by storage)
+            held["params"] = list(held["params"]) + list(self.model.parameters())
             return {k: storage_bytes(held[k]) for k in ("params", "grads", "optimizer")}
         params = list(self.model.parameters())
         return {"params": storage_bytes(params),

@@ -6,8 +6,10 @@ A rank's predicted peak is that of the busiest pipeline stage's rank: the planne
 states, activations, ZeRO-3's gathered units and gradients, buffers: ``tessera.planner.estimate.
 stage_memory``, the prediction ``--dry-run`` prints) and, on the CPU, its host bytes too (offloaded
 optimizer states live in the same RAM) and the fixed cost of a process
-(``tessera.planner.machine.PROCESS_BYTES``). The memory per local rank is the RAM available now shared by
-the local ranks, or each rank's own accelerator (``tessera.planner.machine``); 10% of it is kept free.
+(``tessera.planner.machine.PROCESS_BYTES``). A LoRA job (``[lora]``) is counted as one: frozen base
+weights in the training dtype, gradients and optimizer states for the adapters alone. The memory per
+local rank is the RAM available now shared by the local ranks, or each rank's own accelerator
+(``tessera.planner.machine``); 10% of it is kept free.
 Under torchrun the ranks are already running and reading the available RAM would race between them, so
 every rank judges against the machine's total RAM instead (the same for all, so they agree).
 
@@ -78,13 +80,18 @@ def _total_ram() -> int:
 def predicted_peak(cfg, par, on_cpu: bool = True) -> float:
     """Predicted peak bytes of the busiest rank of ``cfg`` resolved to ``par`` (see the module docstring)."""
     layout, batch, _ = planner_layout(cfg, par)
-    spec = from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k)
+    spec = job_spec(cfg)
     precision = _precision(cfg)
     peaks = []
     for stage in range(layout.pp):
         mem, host = stage_memory(spec, layout, batch, cfg.data.seq_len, precision, "adam", stage)
         peaks.append(mem["total"] + (host + PROCESS_BYTES if on_cpu else 0.0))
     return max(peaks)
+
+
+def job_spec(cfg):
+    """The planner's model of the job ``cfg``: its shapes, experts and LoRA adapters (``[lora]``)."""
+    return from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k, lora=cfg.lora)
 
 
 def _precision(cfg) -> str:
@@ -138,7 +145,7 @@ def fitting_layout(cfg, world: int, budget: Budget):
     """(layout, predicted peak bytes) of the fastest layout of ``world`` ranks that this job can run and
     that fits ``budget`` (disk offload only when nothing fits without it), or None. The trainer's rule
     is asked of the :data:`TRIED` fastest fitting layouts only (each is a validation of a whole config)."""
-    spec = from_model_config(cfg.model_preset, cfg.model, top_k=cfg.moe.top_k)
+    spec = job_spec(cfg)
     gpu = local_gpu(world, memory_bytes=budget.for_planner)
     rule = job_rule(cfg, world)
     # host offload frees an accelerator's memory, not the RAM of CPU ranks

@@ -109,6 +109,9 @@ class PipelineStep:
                                              prepare_stage=prepare, seq_split=sequence_split(topology, settings),
                                              activation_dtype=self.precision.param_dtype)
         self.module = _rank_module(self.pipe)
+        # the tied embedding's two copies sum their gradients, unless it is frozen (LoRA): then it has none
+        embedding = getattr(model, "tok_embeddings", None)
+        self._tied_grads = self.pipe.tied and embedding is not None and embedding.weight.requires_grad
         self._axes_of = self._param_axes()
         self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
         self.skipped_inside = 0  # PipeDream async: in-schedule updates of the last batch skipped on inf/nan
@@ -198,7 +201,9 @@ class PipelineStep:
         self.timeline.clear()  # keep the last step only: write_timeline measures it
         tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
         with tracking:  # every micro-batch in flight at once on this rank counts
-            if self.pipe.tied and getattr(self.engine, "flats", None):  # ZeRO-3 (also under ep)
+            if not self._tied_grads:
+                self.pipe.executor.step(micro)  # the schedule alone
+            elif getattr(self.engine, "flats", None):  # ZeRO-3 (also under ep)
                 self.pipe.executor.step(micro)
                 self._sum_tied_flat_grads()
             else:

@@ -107,9 +107,12 @@ def set_scheduler_step(scheduler, optimizer, step: int) -> None:
 def check_before_launch(cfg) -> Path | None:
     """The checkpoint a job will resume from, checked in this one process before any rank starts:
     every file against the manifest (sizes and checksums), and every tensor the job will load present
-    with its single-process shape: each parameter of the configured model and each piece of its
-    optimizer's state (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step`` per parameter). Raises
-    CheckpointError (one sentence naming the file and the tensor)."""
+    with its single-process shape: each trainable parameter of the configured model (a LoRA job's
+    adapters only) and each piece of its optimizer's state (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``
+    per parameter). Raises CheckpointError (one sentence naming the file and the tensor)."""
+    from tessera.checkpoint.store import read_meta
+    from tessera.lora import add_lora
+    from tessera.lora.record import check_record
     from tessera.models import Transformer
     from tessera.train.optim import build_optimizer
 
@@ -122,8 +125,10 @@ def check_before_launch(cfg) -> Path | None:
     # the names and single-process shapes a load asks for: a model on the meta device allocates nothing
     # (and with the run's seed draws nothing from torch's generator). The ranks then load straight into
     # what each holds (``tessera.train.checkpoint``); no process ever builds the whole model.
+    check_record(read_meta(path).get("lora"), cfg, path)  # the adapters' settings and base are this job's
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
+    add_lora(model, cfg.lora, cfg.run.seed)  # a LoRA job loads its adapters only (the base is frozen)
     # the optimizer the trainer builds; its state keys and shapes are what a load asks for (sharded
     # engines hold the same tensors under the same single-process names, in slices)
     verify(path, state_pieces(model, build_optimizer(model, cfg.optim)))

@@ -19,8 +19,10 @@ from tessera import comm
 from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
 from tessera.models import Transformer
+from tessera.lora.record import adapter_record
 from tessera.models.init import check_materialized
 from tessera.grad_norm import clip_grad_norm
+from tessera.lora import add_lora
 from tessera.parallelize import is_sharded, norm_axes, parallelize, sharded_axes
 from tessera.precision import LossScaler, unscale_
 from tessera.topology import Topology
@@ -55,14 +57,23 @@ def meta_model(cfg: JobConfig) -> Transformer:
     (stages, tp slices, experts), then each rank allocates and fills only what it holds
     (``tessera.parallelize`` / the pipeline; ZeRO-3 its flat shards), with the values one process has:
     a function of (``run.seed``, parameter name) only (``tessera.models.init``). With ``model.hf`` those
-    values are the folder's safetensors tensors instead, read where each rank's part lies (``tessera.hf``)."""
+    values are the folder's safetensors tensors instead, read where each rank's part lies (``tessera.hf``).
+    With ``lora.rank`` > 0 the target linears get adapters (initial values from (seed, name) too) and every
+    other parameter is frozen (``tessera.lora.add_lora``), so every strategy sees the adapted model."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
     if cfg.model_hf:
         from tessera.hf.convert import attach_weights
 
         attach_weights(model, cfg.model_hf)
+    add_lora(model, cfg.lora, cfg.run.seed)
     return model
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, trainable ones): with LoRA the trainable ones are the adapters."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 class Trainer:
@@ -76,7 +87,7 @@ class Trainer:
         self.is_main = self.topology.rank == 0
         torch.manual_seed(cfg.run.seed)  # the same random streams (dropout) on every rank
         self.core = meta_model(cfg)  # each rank allocates only what it holds, in parallelize / the pipeline
-        self.n_params = sum(p.numel() for p in self.core.parameters())  # before ZeRO-3 / tp / ep shard them
+        self.n_params, self.n_trainable = parameter_counts(self.core)  # before ZeRO-3 / tp / ep shard them
         self.engine = self.pipe = None
         self.zero_cfg = with_offload_folder(cfg.zero, cfg)  # disk offload: "" becomes <run.out_dir>/offload
         if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
@@ -111,11 +122,11 @@ class Trainer:
         self.last_memory = None
         self.corpus = load_corpus(cfg.data, progress=self.is_main and cfg.run.progress)
         d = cfg.data
-        self.sampler = WindowSampler(len(self.corpus.train), d.seq_len, d.global_batch_size, d.micro_batch_size,
+        self.sampler = WindowSampler(self.corpus.train, d.seq_len, d.global_batch_size, d.micro_batch_size,
                                      self.dp.rank, self.dp.size, d.seed)
         self.eval_batches = [
             shard_step([make_batch(self.corpus.val, ids, d.seq_len) for ids in micro], self.topology, self.core)
-            for micro in eval_windows(len(self.corpus.val), d.seq_len, d.global_batch_size, d.eval_batches,
+            for micro in eval_windows(self.corpus.val, d.seq_len, d.global_batch_size, d.eval_batches,
                                       d.micro_batch_size, self.dp.rank, self.dp.size)
         ]
         self.run_dir = resolve_run_dir(cfg, self.topology, device)
@@ -322,7 +333,8 @@ class Trainer:
         rng = resume.gather_rng_states(self.world, self.device)  # collective
         meta = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topology.world_size,
                 "layout": self.topology.describe(), "loss_scaler": self.scaler.state_dict(),
-                "interval": dataclasses.asdict(interval), "val_loss_start": val_start, "rng": rng}
+                "interval": dataclasses.asdict(interval), "val_loss_start": val_start, "rng": rng,
+                "lora": adapter_record(self.cfg)}  # what the adapters are relative to (tessera.lora.record)
         path = step_path(self.checkpoint_folder, step)
         save_training_state(path, meta, self.core, self.optimizer, self.engine, self.topology)
         if self.is_main:
@@ -335,7 +347,7 @@ class Trainer:
         summary = {
             "run_dir": str(self.run_dir), "layout": self.topology.describe(),
             "world_size": self.topology.world_size, "preset": self.cfg.model_preset,
-            "parameters": self.n_params,
+            "parameters": self.n_params, "trainable_parameters": self.n_trainable,
             "steps": self.cfg.train.steps, "val_loss_start": finite(val_start), "val_loss_end": finite(val_end),
             "train_loss_end": finite(last_loss), "seconds": seconds,
             "tokens_per_s_mean": (sum(r["tokens_per_s"] for r in train_lines) / len(train_lines)

@@ -10,6 +10,7 @@ from torch import nn
 
 from tessera.comm.group import CommGroup
 from tessera.precision.config import PrecisionConfig
+from tessera.precision.frozen import hold_frozen
 from tessera.topology import Topology
 from tessera.zero.config import OffloadMode, ZeroConfig
 from tessera.zero.offload import OffloadFolder, chunk_elements
@@ -70,23 +71,27 @@ def dense_groups(topology: Topology, stage: int) -> tuple[CommGroup, CommGroup]:
 def build_engine(model: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
                  replicate: CommGroup, stage: int, zero: ZeroConfig, precision: PrecisionConfig,
                  device: torch.device, block_class: type | None = None, norm_axes=None, param_axes=None,
-                 manual: bool = False) -> nn.Module:
+                 manual: bool = False, frozen=None) -> nn.Module:
     """The engine of ``stage`` over the parameters of ``param_groups`` (a subset of ``model``'s, e.g. only
     the experts), sharded over ``shard`` and replicated over ``replicate``; stage 0 is ZeRO-1's engine
-    over a shard group of one (fp32 master weights, gradients all-reduced over ``replicate``)."""
+    over a shard group of one (fp32 master weights, gradients all-reduced over ``replicate``).
+    ``frozen``: the parameters needing no gradient it holds (default: all of ``model``'s; a LoRA job's
+    base weights): never reduced, no master, no optimizer state, held in ``precision.param_dtype`` —
+    ZeRO-3 shards them in flats of their own, stages 0-2 leave them whole where they are."""
     mode = OffloadMode(zero.offload)
     offload = torch.device("cpu") if mode != "none" else None  # "disk": the host runs the step, as for "host"
     dtypes = dict(param_dtype=precision.param_dtype, reduce_dtype=precision.grad_reduce_dtype,
                   offload_device=offload)
     extra = dict(norm_axes=norm_axes, param_axes=param_axes)
     if stage <= 2:
+        hold_frozen(model.parameters() if frozen is None else frozen, precision.param_dtype)
         engine = ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, max(stage, 1),
                                   bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
         return offload_to_disk(engine, zero) if mode == "disk" else engine
     engine = FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
                                       wrap_policy(zero, block_class, model), device,
                                       reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
-                                      manual=manual, **dtypes, **extra)
+                                      manual=manual, frozen=frozen, **dtypes, **extra)
     return offload_to_disk(engine, zero) if mode == "disk" else engine
 
 

@@ -19,6 +19,11 @@ Dtypes (``dtype`` = the compute dtype, e.g. bf16): ``shard.param`` [n] and the g
 and its gradient ``full.grad`` [P] are in ``dtype`` (the all-gather moves 2 bytes per element in bf16);
 ``shard.master`` [n] is fp32 (the shard itself in fp32 without offload); the reduced ``shard.grad`` [n]
 is in the reduce dtype.
+
+Frozen (``trainable=False``: parameters that need no gradient, a LoRA job's base weights): sharded and
+gathered like any other (they are most of the memory), but ``full`` is no autograd leaf, so no gradient
+[P] ever exists, nothing is reduce-scattered and there is no master: ``shard.master`` is None and the
+shard is held in ``dtype`` only (bf16: 2 bytes per element, no fp32 copy).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from tessera.zero.shards import Shard, make_master
 class FlatParam:
     def __init__(self, entries: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], str]], group: int,
                  shard: CommGroup, replicate: CommGroup, device: torch.device, dtype: torch.dtype,
-                 offload_device: torch.device | None):
+                 offload_device: torch.device | None, trainable: bool = True):
         params = [p for p, _, _ in entries]
         self.locations = [locs for _, locs, _ in entries]  # (owner module, attribute) per parameter
         self.names = [name for _, _, name in entries]
@@ -52,10 +57,13 @@ class FlatParam:
             else:
                 mine32 = self._shard_from_broadcast(params, replicate)
         param_shard = mine32.to(home, dtype=dtype)  # mine32 itself when fp32 and already home
-        master = make_master(param_shard if dtype == torch.float32 else mine32,
-                             None if dtype == torch.float32 else offload_device)
+        master = None
+        if trainable:
+            master = make_master(param_shard if dtype == torch.float32 else mine32,
+                                 None if dtype == torch.float32 else offload_device)
+        self.trainable = trainable
         self.shard = Shard(group, param_shard, master)
-        self.full = _without_storage(self.size, dtype, device).requires_grad_(True)
+        self.full = _without_storage(self.size, dtype, device).requires_grad_(trainable)
         self.pending = None  # handle of an in-flight all-gather
         self.gathered = False
         self.reduced = False  # its gradient's reduce-scatter was launched in the current backward

@@ -32,7 +32,7 @@ from tessera.zero.offload import OffloadFolder, disk_master, for_disk_masters, o
 class Shard:
     param_group: int  # index of the optimizer param group (e.g. with / without weight decay)
     param: torch.Tensor  # [n] compute dtype; what the all-gather sends
-    master: nn.Parameter  # [n] fp32, on the offload device when offloading
+    master: nn.Parameter | None  # [n] fp32, on the offload device when offloading; None: frozen (ZeRO-3)
     grad: torch.Tensor | None = None  # [n] reduce dtype; None until the first reduction
     # (start, end, extra sharded axes) per parameter part of the slice, for the global norm; None: the
     # whole slice, sharded over the shard group only

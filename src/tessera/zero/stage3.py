@@ -24,11 +24,19 @@ all-gather moves 2 bytes per parameter, not 4); the gradient is reduce-scattered
 (cast first when it differs) into ``shard.grad`` [n]; the fp32 master ``shard.master`` [n] is what the
 optimizer steps, and ``shard.param`` takes its rounded values after each step.
 
+Frozen parameters (``requires_grad=False``, a LoRA job's base weights): each unit holds them in one more
+flat, sharded and gathered with the others (they are the memory ZeRO-3 exists to divide) but with no
+gradient, no reduce-scatter, no master and no optimizer state; in a low ``param_dtype`` they are held in it
+alone. A unit that mixes frozen and trainable parameters has both kinds of flat. No gradient hook says when
+a frozen flat's backward is over, so an identity on the unit's inputs does: its backward runs once the
+unit's input gradients exist, and frees the frozen flats (``_after_backward``); a unit whose inputs need
+no gradient (the first block of a LoRA model) keeps them until the end of backward.
+
 Built from the meta device: parameters on the meta device that carry an initial-value origin
 (``tessera.models.init``) are never allocated whole. Each :class:`FlatParam` fills only this rank's slice
-from the origins (no broadcast: every rank computes the same values), and what no flat holds (parameters
-that need no gradient) is materialised once every trainable parameter of the module has been taken
-by an engine (with expert parallelism, after the second, expert engine); buffers first of all.
+from the origins (no broadcast: every rank computes the same values); frozen parameters included, so no
+rank ever holds a whole parameter (with expert parallelism each engine takes its own frozen ones);
+buffers first of all.
 
 Why not the data-parallel reducer's buckets and in-order launch (``tessera.data_parallel.reducer``,
 which ZeRO-1/2 use): here a unit's gradient arrives already flat in ``full.grad`` (the unit is the
@@ -58,7 +66,7 @@ import torch
 from torch import nn
 
 from tessera.comm.group import CommGroup
-from tessera.models.init import materialize, materialize_buffers
+from tessera.models.init import materialize_buffers
 from tessera.zero.flat import named_params_by_id, slice_segments
 from tessera.zero.flat_param import FlatParam
 from tessera.zero.reduce import SliceReduction
@@ -66,17 +74,18 @@ from tessera.zero.shards import ShardedUpdate
 from tessera.zero.wrap import Policy, select_units, unit_settings
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward gathers the unit's parameters (before its backward)."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward first calls ``fn()``: on a unit's outputs it gathers the
+    unit's parameters (before its backward), on its inputs it frees the frozen ones (after it)."""
 
     @staticmethod
-    def forward(ctx, unit, *xs):
-        ctx.unit = unit
+    def forward(ctx, fn, *xs):
+        ctx.fn = fn
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.engine.before_backward(ctx.unit)
+        ctx.fn()
         return (None, *grads)
 
 
@@ -85,6 +94,7 @@ class Unit:
 
     def __init__(self, engine, module: nn.Module, flats: list[FlatParam], is_root: bool, reshard: bool):
         self.engine, self.module, self.flats, self.is_root = engine, module, flats, is_root
+        self.frozen = [f for f in flats if not f.trainable]
         self.reshard_after_forward = reshard and not is_root  # the root is needed again at once
         self.in_backward = False
 
@@ -101,8 +111,9 @@ class Unit:
             f.use_views()
 
     def done_backward(self) -> bool:
-        """Every flat's gradient of the current backward was reduced (the unit is not needed again)."""
-        return all(f.reduced for f in self.flats)
+        """Every trainable flat's gradient of the current backward was reduced (the unit is not needed
+        again, or, holding only frozen flats, needs no gradient)."""
+        return all(f.reduced for f in self.flats if f.trainable)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -113,10 +124,11 @@ class FullyShardedDataParallel(nn.Module):
                  reshard_after_forward: bool = True, prefetch: int = 1,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
                  offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
-                 param_axes=None, manual: bool = False):
+                 param_axes=None, manual: bool = False, frozen=None):
         """``prefetch``: how many units ahead to gather (0 = none; ``True``/``False`` read as 1/0).
         ``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath).
-        ``manual``: reduce only in :meth:`reduce_gradients` (see the module docstring)."""
+        ``manual``: reduce only in :meth:`reduce_gradients` (see the module docstring).
+        ``frozen``: the parameters needing no gradient this engine shards (default: all of ``module``'s)."""
         super().__init__()
         self.module, self.manual = module, manual
         self.shard_group, self.replicate_group = shard, replicate
@@ -124,30 +136,36 @@ class FullyShardedDataParallel(nn.Module):
         self.reduction = SliceReduction(shard, replicate, self.reduce_dtype)
         self.prefetch = 0 if manual else int(prefetch)
         materialize_buffers(module, device)  # before the flats take the parameters its hooks may read
+        # flat group g: the parameters of param group g; -1: the frozen ones (no gradient, no master)
         group_of = {id(p): g for g, grp in enumerate(param_groups) for p in grp["params"]}
+        group_of.update({id(p): -1 for p in (module.parameters() if frozen is None else frozen)
+                         if not p.requires_grad})
         names = named_params_by_id(module)
         modules = select_units(module, policy)
-        owner_unit = _owning_units(module, modules)
+        owner_unit = _owning_units(module, modules, group_of)
+        make_flat = dict(shard=shard, replicate=replicate, device=device, dtype=param_dtype,
+                         offload_device=offload_device)
         self.units: list[Unit] = []
         for m in modules:
             settings = unit_settings(m) or {}
             flats = []
-            for g in range(len(param_groups)):
+            for g in [*range(len(param_groups)), -1]:
                 entries = [(p, locs, names[id(p)]) for p, (u, locs) in owner_unit.items()
                            if u is m and group_of.get(id(p)) == g]
                 if entries:
-                    flat = FlatParam(entries, g, shard, replicate, device, param_dtype, offload_device)
-                    if param_axes is not None:
+                    flat = FlatParam(entries, g, trainable=g >= 0, **make_flat)
+                    if param_axes is not None and flat.trainable:
                         flat.shard.segments = slice_segments(
                             flat.offsets, [s.numel() for s in flat.shapes],
                             [frozenset(param_axes(p)) for p, _, _ in entries], shard.rank, shard.size, flat.size)
                     flats.append(flat)
             unit = Unit(self, m, flats, m is module, settings.get("reshard_after_forward", reshard_after_forward))
             self.units.append(unit)
-            m.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u))
+            m.register_forward_pre_hook(lambda mod, args, u=unit: self._pre_forward(u, args))
             m.register_forward_hook(lambda mod, args, out, u=unit: self._post_forward(u, out))
             for f in flats:
-                f.full.register_post_accumulate_grad_hook(lambda t, u=unit, f=f: self._post_backward(u, f))
+                if f.trainable:
+                    f.full.register_post_accumulate_grad_hook(lambda t, u=unit, f=f: self._post_backward(u, f))
         if manual:  # the root is never called: gather it wherever its parameters are used
             for owner in {id(o): o for f in self.units[0].flats for locs in f.locations for o, _ in locs}.values():
                 owner.register_forward_pre_hook(lambda mod, args: self._use_root())
@@ -155,17 +173,17 @@ class FullyShardedDataParallel(nn.Module):
         self._pending: list = []  # (flat, pending reduction) in launch order
         self._queued = False
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
-        self.flats = [f for u in self.units for f in u.flats]
+        self.flats = [f for u in self.units for f in u.flats if f.trainable]  # reduced, with masters
+        self.frozen_flats = [f for u in self.units for f in u.frozen]
         self.update = ShardedUpdate([f.shard for f in self.flats], options, make_optimizer, shard,
                                     [shard, replicate, *(norm_axes or {}).values()], device, norm_axes)
         self.optimizer = self.update.optimizer
-        _materialize_rest(module, device)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple):
         if not unit.in_backward and unit not in self.order:
             self.order.append(unit)
         unit.gather()
@@ -174,12 +192,15 @@ class FullyShardedDataParallel(nn.Module):
             i = self.order.index(unit)
             for ahead in self.order[i + 1 : i + 1 + self.prefetch]:
                 ahead.gather(async_op=True)
+        if unit.frozen and not unit.is_root and not unit.in_backward and torch.is_grad_enabled():
+            return _on_backward(args, lambda: self._after_backward(unit))  # new args, or None: unchanged
+        return None
 
     def _post_forward(self, unit: Unit, out):
         if unit.in_backward:  # a recomputation inside backward: keep the parameters for the backward
             return out
         if torch.is_grad_enabled():
-            out = _attach_pre_backward(unit, out)
+            out = _on_backward(out, lambda: self.before_backward(unit))
         if unit.reshard_after_forward:
             unit.reshard()
         return out
@@ -205,6 +226,13 @@ class FullyShardedDataParallel(nn.Module):
             before = [u for u in reversed(self.order[: self.order.index(unit)]) if not u.done_backward()]
             for behind in before[: self.prefetch]:
                 behind.gather(async_op=True)
+
+    def _after_backward(self, unit: Unit) -> None:
+        """The unit's input gradients exist, so its backward is over: free its frozen flats, which no
+        gradient hook frees (manual mode: when it reshards after forward, as its trainable flats)."""
+        if not self.manual or unit.reshard_after_forward:
+            for f in unit.frozen:
+                f.reshard()
 
     def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
         if self.manual:  # the gradient stays in full.grad, accumulating until reduce_gradients
@@ -288,8 +316,9 @@ class FullyShardedDataParallel(nn.Module):
         self.update.zero_grad()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out = self.update.tensors()
-        out["params"] = out["params"] + [f.full for f in self.flats]  # gathered storage counts while held
+        out = self.update.tensors()  # frozen flats: their shard (and gathered storage) only, no master
+        out["params"] = out["params"] + [f.shard.param for f in self.frozen_flats] + [
+            f.full for f in self.flats + self.frozen_flats]  # gathered storage counts while held
         out["grads"] = out["grads"] + [f.full.grad for f in self.flats if f.full.grad is not None]  # manual
         return out
 
@@ -300,21 +329,23 @@ class FullyShardedDataParallel(nn.Module):
                 for f in self.flats]
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Qualified name → full parameter value (collective: every rank must call it)."""
+        """Qualified name → full parameter value, frozen ones included (collective: every rank calls it)."""
         out = {}
-        for f in self.flats:
+        for f in self.flats + self.frozen_flats:
             out.update(f.full_values())
         return out
 
 
-def _attach_pre_backward(unit: Unit, out):
+def _on_backward(out, fn):
+    """``out`` (a tensor, or a tuple / list of values) with the tensors that need a gradient passed through
+    one :class:`_OnBackward` calling ``fn`` (``out`` itself when none does)."""
     if isinstance(out, torch.Tensor):
-        return _PreBackward.apply(unit, out)[0] if out.requires_grad else out
+        return _OnBackward.apply(fn, out)[0] if out.requires_grad else out
     if isinstance(out, (tuple, list)):
         idx = [i for i, x in enumerate(out) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
             return out
-        new = _PreBackward.apply(unit, *[out[i] for i in idx])
+        new = _OnBackward.apply(fn, *[out[i] for i in idx])
         items = list(out)
         for i, x in zip(idx, new):
             items[i] = x
@@ -322,9 +353,10 @@ def _attach_pre_backward(unit: Unit, out):
     return out
 
 
-def _owning_units(root: nn.Module, units: list[nn.Module]) -> dict:
-    """parameter → (unit module, [(owner module, attribute)...]); a parameter used from two units
-    (tied weights) belongs to the root, which is gathered whenever either runs."""
+def _owning_units(root: nn.Module, units: list[nn.Module], taken: dict) -> dict:
+    """parameter → (unit module, [(owner module, attribute)...]) for the trainable parameters and those
+    frozen ones in ``taken`` (id → flat group); a parameter used from two units (tied weights) belongs to
+    the root, which is gathered whenever either runs."""
     unit_ids = {id(m) for m in units}
     found: dict = {}
 
@@ -332,7 +364,7 @@ def _owning_units(root: nn.Module, units: list[nn.Module]) -> dict:
         if id(module) in unit_ids:
             unit = module
         for attr, p in module._parameters.items():
-            if p is None or not p.requires_grad:
+            if p is None or not (p.requires_grad or id(p) in taken):
                 continue
             u, locs = found.get(p, (unit, []))
             found[p] = (u if u is unit else root, locs + [(module, attr)])
@@ -342,11 +374,3 @@ def _owning_units(root: nn.Module, units: list[nn.Module]) -> dict:
     visit(root, root)
     return found
 
-
-def _materialize_rest(module: nn.Module, device: torch.device) -> None:
-    """Allocate the meta parameters no flat holds (those needing no gradient) on ``device`` from their
-    origins, once no trainable meta parameter is left: with expert parallelism the dense engine is built
-    first and leaves the experts' to the expert engine, which then materialises the rest."""
-    if any(p.is_meta and p.requires_grad for p in module.parameters()):
-        return
-    materialize(module, device)

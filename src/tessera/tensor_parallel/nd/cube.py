@@ -19,6 +19,14 @@ Bias (optional, e.g. Qwen2's q/k/v): b [O] is cut like the output, block a [O/q]
 reduce-scatter. The q² ranks with this ``gather`` coordinate hold the other token blocks of output block a,
 so each holds [O/q³] of it (``replicas.py``): forward all-gather over ``weight`` and ``reduce`` into [O/q];
 backward reduce-scatter over them of its gradient Σ_tokens dy (every token's contribution summed once).
+
+LoRA (an adapted dense layer, A [r, I], B [O, r]): the rank uses A's column block c [r, I/q] (shared by
+the q² ranks with this ``reduce`` coordinate, held once: [r/q², I/q]) and B's row block a [O/q, r] (shared
+like the bias: [O/q³, r]); forward all-gathers both blocks over their sharers, then adds scale ·
+(x_full A_cᵀ) B_aᵀ [R/q, O/q] to the partial product before the reduce-scatter, so the sum over c that
+completes x Wᵀ completes x Aᵀ Bᵀ too: no collective on activations beyond the layer's own. Backward: dh
+from the gathered dy, dx into the layer's reduce-scatter over ``gather``; the blocks' gradients
+reduce-scattered over their sharers.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.comm.group import CommGroup
+from tessera.lora import has_adapter, lora_delta
 from tessera.models.init import assign
+from tessera.tensor_parallel.adapters import attach_adapter
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.replicas import local_rows, row_offset, whole_block
 from tessera.tensor_parallel.regions import gather_seq, reduce_scatter_seq
@@ -60,7 +70,25 @@ class Linear3D(nn.Module):
         assign(layer.weight, block.chunk(q, dim=0)[weight.rank])
         if linear.bias is not None:
             assign(layer.bias, local_rows(linear.bias.chunk(q)[gather.rank], layer.bias_replicas, True))
+        if has_adapter(linear):
+            layer._split_adapter(linear)
         return layer
+
+    @property
+    def adapter_a_replicas(self) -> tuple[CommGroup, ...]:
+        """The ranks sharing A's input block c: every ``gather`` and ``weight`` coordinate."""
+        return (self.gather, self.weight_axis)
+
+    def _split_adapter(self, linear: nn.Linear) -> None:
+        """Column block c of A and row block a of B (module doc), each held once over its sharers."""
+        if linear.lora_dropout.p > 0:
+            raise ValueError("the grid layers have no dropout, so a LoRA adapter on them cannot have one")
+        q, a_groups, b_groups = self.gather.size, self.adapter_a_replicas, self.bias_replicas
+        a = local_rows(linear.lora_A.weight.chunk(q, dim=1)[self.reduce.rank], a_groups, True)  # [r/q², I/q]
+        b = local_rows(linear.lora_B.weight.chunk(q, dim=0)[self.gather.rank], b_groups, True)  # [O/q³, r]
+        a_at = (row_offset(a.shape[0], a_groups, True), self.reduce.rank * (self.in_features // q))
+        b_at = (self.gather.rank * (self.out_features // q) + row_offset(b.shape[0], b_groups, True), 0)
+        attach_adapter(self, linear, a, a_at, True, b, b_at, True)
 
     def region(self, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(single-process shape, offsets in it) of this rank's weight [O, I] or (a 1-dim ``shape``) bias
@@ -76,7 +104,11 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_full = gather_seq(x, self.gather, dim=0)  # [R/q, ..., I/q]
         w_full = gather_seq(self.weight, self.weight_axis, dim=0)  # [O/q, I/q]
-        y = reduce_scatter_seq(F.linear(x_full, w_full), self.reduce, dim=0)  # [R/q², ..., O/q]
+        y_part = F.linear(x_full, w_full)  # [R/q, ..., O/q], partial over the reduce axis
+        if has_adapter(self):
+            y_part = y_part + lora_delta(self, x_full, a=whole_block(self.lora_A.weight, self.adapter_a_replicas, True),
+                                         b=whole_block(self.lora_B.weight, self.bias_replicas, True))
+        y = reduce_scatter_seq(y_part, self.reduce, dim=0)  # [R/q², ..., O/q]
         if self.bias is not None:
             y = y + whole_block(self.bias, self.bias_replicas, True).to(y.dtype)  # [O/q]
         return y

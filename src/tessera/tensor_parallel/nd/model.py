@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.comm.group import CommGroup
+from tessera.tensor_parallel.adapters import frozen_names, refreeze
 from tessera.tensor_parallel.nd.block import Layout, Layout2D, Layout3D, NormND, TransformerBlockND
 from tessera.tensor_parallel.nd.embedding import EmbeddingND
 from tessera.tensor_parallel.nd.grid import Grid2D, Grid3D, _unravel
@@ -35,12 +36,13 @@ def apply_nd_tensor_parallel(model: nn.Module, tp: CommGroup, cfg, partition) ->
         layout = Layout3D(Grid3D.build(tp, partition), shard_replicas=True)
     else:
         layout = Layout2D(Grid2D.build(tp, partition, cfg.depth if cfg.mode == "2.5d" else 1), shard_replicas=True)
-    dim = model.cfg.dim
+    dim, frozen = model.cfg.dim, frozen_names(model)
     model.tok_embeddings = EmbeddingND(model.tok_embeddings, layout)
     for name in list(model.layers):
         model.layers[name] = TransformerBlockND(model.layers[name], layout)
     model.norm = NormND(model.norm, layout, dim)
     model.output = layout.up(model.output)
+    refreeze(model, frozen)  # LoRA: the base weights stay frozen in their grid layers
     model.tensor_parallel, model.nd_layout = (tp, cfg), layout
     return layout
 

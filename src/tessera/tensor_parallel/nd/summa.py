@@ -17,6 +17,13 @@ of column j (the q grid rows × d depth layers, each holding other tokens) adds 
 replicated block over ``col`` and ``depth`` (``replicas.py``): forward all-gather of the held rows
 [O/(q²d)] into [O/q] (``shard_replicas``; otherwise no communication), backward reduce-scatter of its
 gradient Σ_tokens dY_ij (otherwise all-reduce) over the same groups.
+
+LoRA (an adapted dense layer, A [r, I], B [O, r]): rank (dep, i, j) uses A's column block j [r, I/q] and
+B's row block j [O/q, r], both shared by column j like the bias (held once or replicated the same way).
+h_ij = X_ij A_jᵀ [T/(dq), r] is partial over the row: fwd all-reduce over ``row`` (T/(dq)·r elements, the
+one collective the adapter adds; small next to SUMMA's since r ≪ I/q), then Y_ij += scale · h Bⱼᵀ. Bwd:
+all-reduce of dh = dY_ij B_j over ``row`` (each rank's covers its output block), then the two blocks'
+gradients are summed over their replicas as the bias's is.
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera import comm
 from tessera.comm import collectives as C
+from tessera.lora import has_adapter, lora_delta
 from tessera.models.init import assign
+from tessera.tensor_parallel.adapters import attach_adapter
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.grid import Grid2D
 from tessera.tensor_parallel.nd.replicas import local_rows, row_offset, whole_block
@@ -62,8 +72,9 @@ class _Summa(torch.autograd.Function):
         for k in range(grid.q):
             got = _reduce_to(dy_TO @ _bcast(w_OI, grid.col, k), grid.row, k)
             dx = got if got is not None else dx
-            got = _reduce_to(dy_TO.t() @ _bcast(x_TI, grid.row, k), grid.col, k)
-            dw = got if got is not None else dw
+            if ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base) needs neither broadcast nor reduce
+                got = _reduce_to(dy_TO.t() @ _bcast(x_TI, grid.row, k), grid.col, k)
+                dw = got if got is not None else dw
         return dx, dw, None
 
 
@@ -99,7 +110,19 @@ class Linear2D(nn.Module):
         if linear.bias is not None:
             bias_block = linear.bias.chunk(grid.q)[grid.j]  # [O/q], a view
             assign(layer.bias, local_rows(bias_block, layer.bias_replicas, shard_replicas))
+        if has_adapter(linear):
+            layer._split_adapter(linear)
         return layer
+
+    def _split_adapter(self, linear: nn.Linear) -> None:
+        """Column block j of A and row block j of B (module doc), held like the bias."""
+        if linear.lora_dropout.p > 0:
+            raise ValueError("the grid layers have no dropout, so a LoRA adapter on them cannot have one")
+        q, j, groups, held = self.grid.q, self.grid.j, self.bias_replicas, self.shard_replicas
+        a = local_rows(linear.lora_A.weight.chunk(q, dim=1)[j], groups, held)  # views: [r(/qd), I/q]
+        b = local_rows(linear.lora_B.weight.chunk(q, dim=0)[j], groups, held)  # [O/q(/qd), r]
+        attach_adapter(self, linear, a, (row_offset(a.shape[0], groups, held), j * (self.in_features // q)), held,
+                       b, (j * (self.out_features // q) + row_offset(b.shape[0], groups, held), 0), held)
 
     def region(self, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(single-process shape, offsets in it) of this rank's weight [O, I] or (a 1-dim ``shape``) bias
@@ -117,4 +140,9 @@ class Linear2D(nn.Module):
         y_TO = _Summa.apply(x.reshape(-1, x.shape[-1]), w, self.grid)
         if self.bias is not None:
             y_TO = y_TO + whole_block(self.bias, self.bias_replicas, self.shard_replicas).to(y_TO.dtype)  # [O/q]
+        if has_adapter(self):
+            row, groups, held = self.grid.row, self.bias_replicas, self.shard_replicas
+            y_TO = y_TO + lora_delta(self, x.reshape(-1, x.shape[-1]), a=whole_block(self.lora_A.weight, groups, held),
+                                     b=whole_block(self.lora_B.weight, groups, held),
+                                     mid=lambda h: comm.reduce_from(comm.copy_to(h, row), row))  # [T, O/q]
         return y_TO.view(*x.shape[:-1], -1)

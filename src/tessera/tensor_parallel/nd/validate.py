@@ -4,6 +4,10 @@ The grid must fit the tp ranks (q×q, q×q×d, q×q×q) and every weight must cu
 are split into q output × q input blocks, 3D output blocks once more by q; a block shared by several
 ranks, a norm weight's or a q/k/v bias's, is held once, split by rows over them: ``replicas.py``). Each
 failure is one sentence.
+
+LoRA adapters (``[lora]``) are cut like the weights they sit on (``tensor_parallel/adapters.py``): A's
+input block is shared by q·d ranks (3D: q²) and held once over them, so they split its r rows; B's output
+block is shared like a bias, so an adapted layer's output dimension must split like one (q²·d; 3D: q³).
 """
 
 from __future__ import annotations
@@ -30,21 +34,26 @@ def grid_sides(mode: str, tp: int, depth: int) -> tuple[int, int]:
     return q, d
 
 
-def _divisors(model, mode: str, q: int, d: int) -> list[tuple[str, int, int]]:
+def _divisors(model, mode: str, q: int, d: int, lora=None) -> list[tuple[str, int, int]]:
     """(model field, its value, what must divide it) for every weight block of the grid layout."""
     kv_dim = model.n_kv_heads * model.head_dim
     rows = q * q if mode == "3d" else q * d  # an output dimension splits into q blocks, held once over d
-    # q/k/v biases: an O/q block held once over q·d (3D: q²) ranks, like a norm weight (dim: already)
-    kv_rows = q * q * d if model.qkv_bias else rows
-    return [("n_heads", model.n_heads, q), ("n_kv_heads", model.n_kv_heads, q),
-            ("dim", model.dim, q * q * d),  # a norm weight's D/q block held once over q·d (3D: q²) ranks
-            ("n_kv_heads×head_dim", kv_dim, kv_rows), ("ffn_hidden_dim", model.ffn_hidden_dim, rows),
-            ("vocab_size", model.vocab_size, rows)]
+    adapted = set(lora.targets) if lora is not None and lora.enabled else set()
+    # q/k/v biases and LoRA B blocks: an O/q block held once over q·d (3D: q²) ranks, like a norm weight
+    kv_rows = q * q * d if model.qkv_bias or adapted & {"wk", "wv"} else rows
+    ffn_rows = q * q * d if adapted & {"w1", "w3"} else rows
+    out = [("n_heads", model.n_heads, q), ("n_kv_heads", model.n_kv_heads, q),
+           ("dim", model.dim, q * q * d),  # a norm weight's D/q block held once over q·d (3D: q²) ranks
+           ("n_kv_heads×head_dim", kv_dim, kv_rows), ("ffn_hidden_dim", model.ffn_hidden_dim, ffn_rows),
+           ("vocab_size", model.vocab_size, rows)]
+    if adapted:  # A's input block [r, I/q] held once over the q·d (3D: q²) ranks sharing it
+        out.append(("lora.rank", lora.rank, q * q if mode == "3d" else q * d))
+    return out
 
 
 def _refusals(cfg, par) -> list[tuple[bool, str]]:
     """(refused, the sentence's reason and fix) of each pairing the grid layouts do not train."""
-    m = cfg.model
+    m, lora = cfg.model, getattr(cfg, "lora", None)
     return [
         (cfg.tensor_parallel.sequence_parallel, "sequence parallelism splits the activations 1D tensor "
          "parallelism replicates, and the grid layouts replicate none (each rank already holds a batch × "
@@ -61,6 +70,9 @@ def _refusals(cfg, par) -> list[tuple[bool, str]]:
          "shared table (2D: transposed), so one tensor cannot be both; set model.tie_embeddings=false"),
         (cfg.tensor_parallel.recompute_core_attention, "selective recomputation of the attention core is a "
          "1D option; use checkpointing.mode instead"),
+        (lora is not None and lora.enabled and lora.dropout > 0, "the grid layers have no dropout, the LoRA "
+         "adapters' included (no random streams agreed over the ranks holding one activation block); set "
+         "lora.dropout=0 or tensor_parallel.mode=1d"),
     ]
 
 
@@ -75,7 +87,8 @@ def validate_nd(cfg, par) -> None:
         if refused:
             raise ConfigError(f"tensor_parallel.mode={mode} cannot be combined here: {why}.")
     grid = f"{q}×{q}×{d} cube" if mode == "3d" else (f"{q}×{q}×{d} grid" if d > 1 else f"{q}×{q} grid")
-    for field, value, k in _divisors(cfg.model, mode, q, d):
+    for field, value, k in _divisors(cfg.model, mode, q, d, getattr(cfg, "lora", None)):
         if value % k:
-            raise ConfigError(f"tensor_parallel.mode={mode} on a {grid} needs the model's {field} ({value}) "
+            whose = field if field.startswith("lora.") else f"the model's {field}"
+            raise ConfigError(f"tensor_parallel.mode={mode} on a {grid} needs {whose} ({value}) "
                               f"to be divisible by {k}, so every rank holds an equal block of each weight.")

@@ -5,7 +5,8 @@ text that every machine already has, so training needs no download. The cache
 holds ``train.bin``/``val.bin`` (uint8, one byte per token) that ``np.memmap``
 maps without loading, plus ``meta.json``, which is written last and so marks a
 complete cache. A corpus folder written by ``tessera prepare``, or raw text with a Hugging Face
-``data.tokenizer``, is read as token shards instead (:mod:`tessera.train.data.prepare`).
+``data.tokenizer``, is read as token shards instead (:mod:`tessera.train.data.prepare`); one prepared with
+``--sft`` as prompt/response examples (:mod:`tessera.train.data.sft`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tessera.train.data.documents import SplitRule, text_sources
 from tessera.train.data.documents import read_text_bytes as _read_text
 from tessera.train.data.files import exclusive, read_json, temp_writer, write_json
 from tessera.train.data.prepare import is_prepared, prepare, read_prepared
+from tessera.train.data.sft import SFTExamples, check_prompts_fit, open_sft_split
 from tessera.train.data.shards import TokenStream, open_split
 from tessera.train.data.tokenizer import ByteTokenizer, check_tokenizer_spec, load_tokenizer
 
@@ -73,8 +75,8 @@ class DataConfig:
 class Corpus:
     """Token splits as read-only memory maps; ``path`` is the cache directory holding them."""
 
-    train: Union[np.ndarray, TokenStream]  # uint8 bytes, or a prepared folder's uint16/uint32 shards
-    val: Union[np.ndarray, TokenStream]
+    train: Union[np.ndarray, TokenStream, SFTExamples]  # uint8 bytes, a prepared folder's uint16/uint32 shards,
+    val: Union[np.ndarray, TokenStream, SFTExamples]    # or its fine-tuning examples
     meta: Dict[str, object] = field(default_factory=dict)
     path: str = ""
 
@@ -222,7 +224,8 @@ def _load_or_build(out_dir: str, source: str, files: List[SourceFile], key: str,
 
 
 def _prepared(cfg: DataConfig) -> Optional[Tuple[str, Dict[str, object]]]:
-    """(folder, meta) when ``data.corpus`` is a folder tessera prepare wrote, its tokenizer checked."""
+    """(folder, meta) when ``data.corpus`` is a folder tessera prepare wrote, its tokenizer checked (and,
+    for fine-tuning data, its prompts against ``data.seq_len``)."""
     folder = os.path.expanduser(cfg.corpus)
     if cfg.corpus == "stdlib" or not is_prepared(folder):
         return None
@@ -233,6 +236,8 @@ def _prepared(cfg: DataConfig) -> Optional[Tuple[str, Dict[str, object]]]:
         hint = "byte" if made["fingerprint"] == "byte" else os.path.join(cfg.corpus, "tokenizer")
         raise ConfigError(f"corpus {cfg.corpus!r} was prepared with another tokenizer than "
                           f"data.tokenizer={cfg.tokenizer!r}: set --data.tokenizer={hint}")
+    if meta.get("sft"):
+        check_prompts_fit(meta, cfg.seq_len, cfg.corpus)
     return folder, meta
 
 
@@ -249,8 +254,11 @@ def check_vocabulary(cfg: DataConfig, vocab_size: int) -> None:
 
 
 def _token_corpus(cfg: DataConfig, folder: str, meta: Dict[str, object]) -> Corpus:
-    """A prepared folder's splits, each read as one stream over its shards."""
+    """A prepared folder's splits, each read as one stream over its shards (fine-tuning data: examples)."""
     splits = meta["splits"]  # type: ignore[index]
+    if meta.get("sft"):
+        train, val = (open_sft_split(folder, meta, split) for split in ("train", "val"))
+        return Corpus(train=train, val=val, meta=meta, path=folder)
     _check_lengths(cfg, {split: int(splits[split]["tokens"]) for split in ("train", "val")})
     train, val = (open_split(folder, splits[split]["shards"], split, np.dtype(str(meta["dtype"])))
                   for split in ("train", "val"))

@@ -96,7 +96,7 @@ def _parquet_file(src: Source, text_field: str):
     return pf
 
 
-def _jsonl_lines(src: Source) -> Iterator[Tuple[int, bytes]]:
+def jsonl_lines(src: Source) -> Iterator[Tuple[int, bytes]]:
     """(1-based line number, line) of every non-blank line."""
     with open(src.path, "rb") as f:
         for number, line in enumerate(f, start=1):
@@ -109,7 +109,7 @@ def document_keys(src: Source, text_field: str) -> Iterator[str]:
     if src.kind == "text":
         yield src.rel
     elif src.kind == "jsonl":
-        for number, _ in _jsonl_lines(src):
+        for number, _ in jsonl_lines(src):
             yield f"{src.rel}#{number}"
     else:
         for row in range(_parquet_file(src, text_field).metadata.num_rows):
@@ -155,7 +155,7 @@ def documents(src: Source, text_field: str) -> Iterator[Tuple[str, Optional[str]
     if src.kind == "text":
         yield src.rel, _read_text_file(src.path)
     elif src.kind == "jsonl":
-        for number, line in _jsonl_lines(src):
+        for number, line in jsonl_lines(src):
             yield f"{src.rel}#{number}", _jsonl_text(src, number, line, text_field)
     else:
         pf, row = _parquet_file(src, text_field), 0

@@ -10,6 +10,8 @@ the Hugging Face tokenizer's files in ``tokenizer/`` (none for bytes), and ``met
     splits            per split: tokens, documents, shards [{index, tokens, documents}]
     sources           name, path, bytes, mtime_ns of every input file
     val_fraction, text_field, shard_tokens, skipped_documents, key
+    sft               (fine-tuning data only) {prompt, response}: the JSON fields of each example; each
+                      split then also counts its prompt_tokens and longest_prompt (:mod:`tessera.train.data.sft`)
 
 Guarantees: documents are read in input order and each goes whole to one split by a hash of its key
 (:class:`~tessera.train.data.documents.SplitRule`); a single document's last ``val_fraction`` of tokens is
@@ -24,7 +26,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -32,7 +34,8 @@ from tqdm import tqdm
 from tessera.errors import ConfigError
 from tessera.train.data.documents import Source, SplitRule, document_keys, documents
 from tessera.train.data.files import exclusive, read_json, write_json
-from tessera.train.data.shards import ShardWriter, finished_shards, remove_shards_from
+from tessera.train.data.sft import SFTFields, check_sources, encode_examples, examples
+from tessera.train.data.shards import ShardWriter, finished_shards, prompt_lengths, remove_shards_from
 from tessera.train.data.tokenizer import HFTokenizer, Tokenizer, token_dtype
 
 FORMAT, VERSION = "tessera-tokens", 1
@@ -43,14 +46,17 @@ _BATCH_DOCS, _BATCH_CHARS = 256, 1 << 22  # documents handed to the tokenizer at
 
 
 def _plan(sources: Sequence[Source], tokenizer: Tokenizer, val_fraction: float, text_field: str,
-          shard_tokens: int) -> Dict[str, object]:
-    """Everything the shards' bytes depend on; ``key`` hashes it."""
+          shard_tokens: int, sft: Optional[SFTFields]) -> Dict[str, object]:
+    """Everything the shards' bytes depend on; ``key`` hashes it (``sft`` only when set, so the key of a
+    plain corpus is what it always was)."""
     plan = {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tokenizer.vocab_size).name,
             "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": int(tokenizer.vocab_size),
                           "eot": int(tokenizer.eot)},
             "val_fraction": float(val_fraction), "text_field": text_field, "shard_tokens": int(shard_tokens),
             "sources": [{"name": s.rel, "path": s.path, "bytes": s.size, "mtime_ns": s.mtime_ns}
                         for s in sources]}
+    if sft is not None:
+        plan["sft"] = sft.as_dict()
     plan["key"] = hashlib.sha1(json.dumps(plan, sort_keys=True).encode("utf-8")).hexdigest()[:16]
     return plan
 
@@ -65,11 +71,15 @@ def check_settings(val_fraction: float, text_field: str, shard_tokens: int) -> N
 
 
 def prepare(sources: Sequence[Source], out_dir: str, tokenizer: Tokenizer, *, val_fraction: float = 0.02,
-            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, sft: Optional[SFTFields] = None,
             progress: bool = False) -> Dict[str, object]:
-    """Tokenise ``sources`` into ``out_dir`` (or resume an interrupted run there) and return its meta."""
+    """Tokenise ``sources`` into ``out_dir`` (or resume an interrupted run there) and return its meta.
+    With ``sft`` the sources are JSON lines of prompt/response pairs (:mod:`tessera.train.data.sft`)."""
     check_settings(val_fraction, text_field, shard_tokens)
-    plan = _plan(sources, tokenizer, val_fraction, text_field, shard_tokens)
+    if sft is not None:
+        sft.check()
+        check_sources(sources)
+    plan = _plan(sources, tokenizer, val_fraction, text_field, shard_tokens, sft)
     meta = read_json(out_dir, "meta.json")  # fast path: no lock once the folder is complete
     if meta is not None:
         return _already(meta, plan, out_dir)
@@ -117,13 +127,15 @@ def _scan(sources: Sequence[Source], plan: Dict[str, object], progress: bool) ->
 
 def _build(sources: Sequence[Source], out_dir: str, tokenizer: Tokenizer, plan: Dict[str, object],
            progress: bool) -> Dict[str, object]:
-    dtype = np.dtype(str(plan["dtype"]))
+    dtype, sft = np.dtype(str(plan["dtype"])), "sft" in plan
     rule = _scan(sources, plan, progress)
-    done = {split: finished_shards(out_dir, split, dtype) for split in SPLITS}
+    if sft and rule.n_keys < 2:
+        raise ConfigError("fine-tuning data needs at least two examples, one for each of train and val")
+    done = {split: finished_shards(out_dir, split, dtype, sft) for split in SPLITS}
     remove_shards_from(out_dir, {split: len(done[split]) for split in SPLITS})  # torn and temp files
     if progress and any(done.values()):
         tqdm.write(f"resuming: {sum(map(len, done.values()))} finished shards kept in {out_dir}")
-    writers = {split: ShardWriter(out_dir, split, dtype, int(plan["shard_tokens"]), len(done[split]))
+    writers = {split: ShardWriter(out_dir, split, dtype, int(plan["shard_tokens"]), len(done[split]), sft)
                for split in SPLITS}  # type: ignore[arg-type]
     if rule.n_keys == 1:
         skipped = _write_single(sources, tokenizer, writers, done, plan)
@@ -134,12 +146,15 @@ def _build(sources: Sequence[Source], out_dir: str, tokenizer: Tokenizer, plan: 
         writer.flush()
     splits = {}
     for split in SPLITS:
-        shards = finished_shards(out_dir, split, dtype)
+        shards = finished_shards(out_dir, split, dtype, sft)
         if not shards:
             raise ConfigError(f"the {split} split is empty: the inputs need at least two non-empty documents "
                               f"(or one of at least two tokens)")
         splits[split] = {"tokens": sum(s["tokens"] for s in shards),
                          "documents": sum(s["documents"] for s in shards), "shards": shards}
+        if sft:
+            prompts = prompt_lengths(out_dir, shards, split)
+            splits[split].update(prompt_tokens=int(prompts.sum()), longest_prompt=int(prompts.max()))
     _copy_tokenizer(tokenizer, out_dir)
     meta = dict(plan, splits=splits, skipped_documents=skipped)
     write_json(out_dir, "meta.json", meta)  # last: marks the folder complete
@@ -151,11 +166,12 @@ def _write_documents(sources: Sequence[Source], rule: SplitRule, tokenizer: Toke
                      writers: Dict[str, ShardWriter], skip: Dict[str, int], plan: Dict[str, object],
                      progress: bool) -> int:
     """Second pass: tokenise every document not in a finished shard; returns how many were skipped."""
-    pending: List[tuple] = []  # (split, text) waiting for one batched encode
+    read, encode = _reader(plan)
+    pending: List[tuple] = []  # (split, key, text or (prompt, response)) waiting for one batched encode
     chars = skipped = 0
     with tqdm(total=rule.n_keys, desc="tokenising", unit="doc", disable=not progress) as bar:
         for src in sources:
-            for key, text in documents(src, str(plan["text_field"])):
+            for key, text in read(src):
                 bar.update(1)
                 if text is None:
                     skipped += 1
@@ -164,19 +180,28 @@ def _write_documents(sources: Sequence[Source], rule: SplitRule, tokenizer: Toke
                 if skip[split]:  # already in a finished shard of a previous run
                     skip[split] -= 1
                     continue
-                pending.append((split, text))
-                chars += len(text)
+                pending.append((split, key, text))
+                chars += len(text) if isinstance(text, str) else sum(map(len, text))
                 if len(pending) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-                    _encode_into(pending, tokenizer, writers)
+                    encode(pending, tokenizer, writers)
                     pending, chars = [], 0
-        _encode_into(pending, tokenizer, writers)
+        encode(pending, tokenizer, writers)
     return skipped
+
+
+def _reader(plan: Dict[str, object]):
+    """(documents of a source, batch encoder) of the plan's kind: texts, or prompt/response examples."""
+    if "sft" in plan:
+        fields = SFTFields(**plan["sft"])  # type: ignore[arg-type]
+        return (lambda src: examples(src, fields)), encode_examples
+    text_field = str(plan["text_field"])
+    return (lambda src: documents(src, text_field)), _encode_into
 
 
 def _encode_into(pending: List[tuple], tokenizer: Tokenizer, writers: Dict[str, ShardWriter]) -> None:
     if not pending:
         return
-    for (split, _), ids in zip(pending, tokenizer.encode_batch([text for _, text in pending])):
+    for (split, _, _), ids in zip(pending, tokenizer.encode_batch([text for _, _, text in pending])):
         writers[split].add(ids, tokenizer.eot)
 
 

@@ -1,7 +1,8 @@
 """Which token windows each data-parallel rank trains and evaluates on, step by step.
 
 The token stream is cut into windows of ``seq_len + 1`` tokens at stride ``seq_len``
-(the extra token is the last target). Sample indices are counted over the whole
+(the extra token is the last target); fine-tuning data has one window per example
+(:mod:`tessera.train.data.sft`). Sample indices are counted over the whole
 run, so the data order depends only on (seed, global_batch_size), never on how
 many ranks share a step: the union over ranks of one step, in rank order, is
 exactly what a single process gets. Parity tests rely on that.
@@ -9,12 +10,17 @@ exactly what a single process gets. Parity tests rely on that.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from tessera.errors import ConfigError
+from tessera.train.data.sft import SFTExamples
+from tessera.train.data.shards import TokenStream
+
+# What the windows are cut from: a split (token array or stream, or fine-tuning examples), or a token count.
+Split = Union[int, np.ndarray, TokenStream, SFTExamples]
 
 
 def _check_positive(**values: int) -> None:
@@ -29,7 +35,10 @@ def _check_rank(dp_rank: int, dp_size: int) -> None:
         raise ConfigError(f"dp_rank {dp_rank} is outside [0, {dp_size}) for dp_size {dp_size}")
 
 
-def _n_windows(n_tokens: int, seq_len: int, what: str) -> int:
+def _n_windows(data: Split, seq_len: int, what: str) -> int:
+    if isinstance(data, SFTExamples):
+        return data.n_examples
+    n_tokens = data if isinstance(data, (int, np.integer)) else len(data)
     n = (int(n_tokens) - 1) // seq_len
     if n < 1:
         raise ConfigError(f"the {what} split has {n_tokens} tokens, fewer than "
@@ -47,8 +56,9 @@ def _split_rank(ids: np.ndarray, dp_rank: int, dp_size: int, micro_batch_size: i
 class WindowSampler:
     """Deterministic, resumable assignment of training windows to steps, ranks and micro-batches."""
 
-    def __init__(self, n_tokens: int, seq_len: int, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, n_tokens: Split, seq_len: int, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, shuffle: bool = True) -> None:
+        """``n_tokens``: the training split itself, or its token count."""
         _check_positive(seq_len=seq_len, global_batch_size=global_batch_size,
                         micro_batch_size=micro_batch_size)
         _check_rank(dp_rank, dp_size)
@@ -137,9 +147,12 @@ class WindowSampler:
         self.samples_consumed = int(state["samples_consumed"])  # type: ignore[arg-type]
 
 
-def make_batch(tokens: np.ndarray, window_ids: Sequence[int], seq_len: int
+def make_batch(tokens: Union[np.ndarray, TokenStream, SFTExamples], window_ids: Sequence[int], seq_len: int
                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets, both int64 [len(window_ids), seq_len], on the CPU."""
+    """Inputs and next-token targets, both int64 [len(window_ids), seq_len], on the CPU (fine-tuning
+    examples: prompt and padding targets IGNORE_INDEX, :meth:`SFTExamples.batch`)."""
+    if isinstance(tokens, SFTExamples):
+        return tokens.batch(window_ids, seq_len)
     starts = np.asarray(window_ids, dtype=np.int64) * seq_len
     # One gather of every window (seq_len + 1 tokens each) from the memmap.
     chunk = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)
@@ -147,7 +160,7 @@ def make_batch(tokens: np.ndarray, window_ids: Sequence[int], seq_len: int
     return full[:, :-1].contiguous(), full[:, 1:].contiguous()
 
 
-def eval_windows(n_tokens: int, seq_len: int, global_batch_size: int, eval_batches: int,
+def eval_windows(n_tokens: Split, seq_len: int, global_batch_size: int, eval_batches: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int) -> List[List[np.ndarray]]:
     """A fixed set of validation windows: this rank's micro-batches for each eval batch.
 

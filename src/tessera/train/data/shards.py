@@ -5,6 +5,8 @@ A split (``train`` or ``val``) is a sequence of shards ``<split>-<k:05d>``:
     <split>-00000.bin   tokens, little-endian uint16 or uint32; each document followed by eot
     <split>-00000.idx   little-endian uint64 offsets [n_docs + 1]: document i is tokens [off[i], off[i+1])
                         (its eot included); off[0] = 0, off[-1] = the shard's token count
+    <split>-00000.prompt  (supervised fine-tuning only) little-endian uint32 [n_docs]: how many of each
+                        document's first tokens are its prompt (:mod:`tessera.train.data.sft`)
 
 A shard holds whole documents and is closed once it holds at least ``shard_tokens`` tokens. Both files are
 written under temporary names and renamed, ``.idx`` last: a shard is finished exactly when its ``.idx``
@@ -14,11 +16,13 @@ exists, which is what a resumed ``tessera prepare`` counts on.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
 OFFSET_DTYPE = np.dtype("<u8")
+PROMPT_DTYPE = np.dtype("<u4")
+SHARD_FILES = (".bin", ".prompt", ".idx")  # in the order they are written
 
 
 def shard_name(split: str, index: int) -> str:
@@ -35,22 +39,31 @@ def _write_atomic(path: str, data: np.ndarray) -> None:
 
 
 class ShardWriter:
-    """Appends documents of one split to shards, starting at shard ``first_index`` (a resumed run)."""
+    """Appends documents of one split to shards, starting at shard ``first_index`` (a resumed run).
+    With ``prompts`` every document comes with its prompt length and each shard gets a ``.prompt`` file."""
 
-    def __init__(self, out_dir: str, split: str, dtype: np.dtype, shard_tokens: int, first_index: int = 0):
+    def __init__(self, out_dir: str, split: str, dtype: np.dtype, shard_tokens: int, first_index: int = 0,
+                 prompts: bool = False):
         self.out_dir, self.split, self.shard_tokens = out_dir, split, int(shard_tokens)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.index = first_index
+        self.prompts = prompts
         self._parts: List[np.ndarray] = []
         self._offsets: List[int] = [0]
+        self._prompt_lengths: List[int] = []
 
-    def add(self, ids: np.ndarray, eot: int) -> None:
-        """Append one document (its ids, then ``eot``); closes the shard when it is full."""
+    def add(self, ids: np.ndarray, eot: int, prompt_tokens: Optional[int] = None) -> None:
+        """Append one document (its ids, then ``eot``), of which the first ``prompt_tokens`` are its prompt
+        (given exactly when the writer keeps prompts); closes the shard when it is full."""
+        if (prompt_tokens is not None) != self.prompts:
+            raise ValueError("a prompt length goes with every document of a writer that keeps prompts, only")
         doc = np.empty(len(ids) + 1, dtype=self.dtype)
         doc[:-1] = ids
         doc[-1] = eot
         self._parts.append(doc)
         self._offsets.append(self._offsets[-1] + len(doc))
+        if prompt_tokens is not None:
+            self._prompt_lengths.append(int(prompt_tokens))
         if self._offsets[-1] >= self.shard_tokens:
             self.flush()
 
@@ -60,14 +73,16 @@ class ShardWriter:
             return
         base = os.path.join(self.out_dir, shard_name(self.split, self.index))
         _write_atomic(base + ".bin", np.concatenate(self._parts))
+        if self.prompts:
+            _write_atomic(base + ".prompt", np.asarray(self._prompt_lengths, dtype=PROMPT_DTYPE))
         _write_atomic(base + ".idx", np.asarray(self._offsets, dtype=OFFSET_DTYPE))
         self.index += 1
-        self._parts, self._offsets = [], [0]
+        self._parts, self._offsets, self._prompt_lengths = [], [0], []
 
 
-def finished_shards(out_dir: str, split: str, dtype: np.dtype) -> List[Dict[str, int]]:
+def finished_shards(out_dir: str, split: str, dtype: np.dtype, prompts: bool = False) -> List[Dict[str, int]]:
     """``{"index", "tokens", "documents"}`` of the split's finished shards 0, 1, … (stops at the first gap
-    or at a shard whose ``.bin`` does not match its ``.idx``)."""
+    or at a shard whose ``.bin`` (or, with ``prompts``, ``.prompt``) does not match its ``.idx``)."""
     found, index = [], 0
     while True:
         base = os.path.join(out_dir, shard_name(split, index))
@@ -75,6 +90,9 @@ def finished_shards(out_dir: str, split: str, dtype: np.dtype) -> List[Dict[str,
             return found
         offsets = np.fromfile(base + ".idx", dtype=OFFSET_DTYPE)
         if len(offsets) < 2 or os.path.getsize(base + ".bin") != int(offsets[-1]) * np.dtype(dtype).itemsize:
+            return found
+        if prompts and not (os.path.isfile(base + ".prompt") and os.path.getsize(base + ".prompt")
+                            == (len(offsets) - 1) * PROMPT_DTYPE.itemsize):
             return found
         found.append({"index": index, "tokens": int(offsets[-1]), "documents": len(offsets) - 1})
         index += 1
@@ -86,7 +104,7 @@ def remove_shards_from(out_dir: str, keep: Dict[str, int]) -> None:
         stem, ext = os.path.splitext(name)
         split, _, number = stem.partition("-")
         stray = name.startswith(".") and name.endswith(".tmp")
-        ours = ext in (".bin", ".idx") and split in keep and number.isdigit()
+        ours = ext in SHARD_FILES and split in keep and number.isdigit()
         if stray or (ours and int(number) >= keep[split]):
             os.unlink(os.path.join(out_dir, name))
 
@@ -136,3 +154,10 @@ def document_offsets(out_dir: str, shards: List[Dict[str, int]], split: str) -> 
         base += int(offsets[-1])
     return np.concatenate(parts)
 
+
+
+def prompt_lengths(out_dir: str, shards: List[Dict[str, int]], split: str) -> np.ndarray:
+    """Every document's prompt length in the split (supervised fine-tuning shards): uint32 [n_docs]."""
+    parts = [np.fromfile(os.path.join(out_dir, shard_name(split, s["index"]) + ".prompt"), PROMPT_DTYPE)
+             for s in shards]
+    return np.concatenate(parts) if parts else np.empty(0, PROMPT_DTYPE)
