@@ -5,6 +5,7 @@
     tessera prepare INPUT... --out DIR [--tokenizer byte|TOKDIR] [...]
     tessera export CHECKPOINT [--format safetensors|hf|peft] [--merge-lora] [--out FILE.safetensors|DIR]
     tessera generate CHECKPOINT|HFDIR --prompt TEXT [--max-new-tokens N] [--top-p P --temperature T --seed S]
+    tessera report RUN [--out FILE.html]
 
 Everything a user can get wrong is checked here, before any rank starts, and reported as one sentence
 with exit code 2.
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.prepare_command import add_prepare_parser
 
     add_prepare_parser(sub)
+    from tessera.observe.report.command import add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 
@@ -251,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             from tessera.prepare_command import cmd_prepare
 
             return cmd_prepare(args)
+        if args.command == "report":
+            from tessera.observe.report.command import cmd_report
+
+            return cmd_report(args)
         if args.command == "plan":
             from tessera.planner.command import cmd_plan
 

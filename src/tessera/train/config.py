@@ -14,6 +14,7 @@
     [ps]         parameter-server mode (model.preset = "ctr"): roles, BSP/ASP/SSP, row-wise optimizer
     [moe] [tensor_parallel] [context_parallel] [pipeline]   options of those strategies
     [lora]       low-rank adapters: rank (0 = off), alpha, dropout, target linear layers; the rest frozen
+    [profile]    torch.profiler traces of chosen steps (tessera.observe.profile)
 
 Defaults (these dataclasses'): the ``small`` preset on the standard-library corpus with data parallelism
 over the local ranks; ``tessera train`` given no layout at all runs the 3D demo instead (tessera.cli).
@@ -45,6 +46,7 @@ from tessera.topology import ParallelConfig, validate_degrees
 from tessera.train import config_io
 from tessera.train.data import DataConfig, check_vocabulary
 from tessera.train.optim import OptimConfig
+from tessera.observe.profile import ProfileConfig
 from tessera.train.settings import check_finite, check_settings_take_effect
 from tessera.zero.config import ZeroConfig
 from tessera.zero.offload.check import check_disk_offload
@@ -61,6 +63,8 @@ class RunConfig:
     progress: bool = True  # progress bar on rank 0
     max_restarts: int = 0  # elastic restarts of the local ranks tessera spawns (under torchrun: --max-restarts)
     check_memory: bool = True  # refuse, before launch, a job whose predicted peak memory per rank exceeds the machine's
+    tensorboard: bool = False  # rank 0 also writes TensorBoard event files in <run_dir>/tensorboard (the tensorboard extra)
+    peak_flops: float = 0.0  # one device's peak FLOP/s for metrics' mfu; 0: the planner's GPU catalogue (null on a CPU)
 
     def validate(self) -> RunConfig:
         if self.nproc < 1:
@@ -71,6 +75,12 @@ class RunConfig:
             raise ConfigError(f"run.device must be 'cpu', 'cuda' or 'auto', got '{self.device}'")
         if "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name '{self.name}' must be a plain folder name")
+        if self.peak_flops < 0:  # nan / inf: check_finite
+            raise ConfigError(f"run.peak_flops must be a FLOP/s rate, 0 or more, got {self.peak_flops}")
+        if self.tensorboard:
+            from tessera.observe.tensorboard import check_available
+
+            check_available()
         return self
 
 
@@ -79,6 +89,7 @@ class TrainConfig:
     steps: int = 300  # optimizer steps
     log_every: int = 10  # a metrics.jsonl line every this many steps
     eval_every: int = 50  # validation loss every this many steps (and at the first and last)
+    time_breakdown: bool = False  # time_forward/backward/optimizer/comm_wait per metrics line (syncs the device)
 
     def validate(self) -> TrainConfig:
         for key in ("steps", "log_every", "eval_every"):
@@ -125,6 +136,7 @@ class JobConfig:
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # "section.key" -> value for every key the user gave (TOML or override) that differs from its default;
     # filled by load_config (empty for a config built in code), read by settings.check_settings_take_effect
     explicit: dict = field(default_factory=dict)
@@ -136,6 +148,7 @@ SECTIONS = {
     "zero": ZeroConfig, "precision": PrecisionConfig, "checkpointing": RecomputeConfig,
     "ps": PSConfig, "moe": MoEConfig, "tensor_parallel": TensorParallelConfig,
     "context_parallel": ContextParallelConfig, "pipeline": PipelineConfig, "lora": LoRAConfig,
+    "profile": ProfileConfig,
 }
 # presets that are not a Transformer: their [model] keys are ignored and their own section configures them
 NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the parameter-server mode, see [ps]
@@ -213,6 +226,7 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
 
         check_init_from(cfg.lora, cfg.model, cfg.moe)
     validate_degrees(cfg.parallel, world_size)
+    cfg.profile.check_steps(cfg.train.steps)  # traced steps are steps the run takes
     check_vocabulary(cfg.data, cfg.model.vocab_size)  # the data's tokenizer fits the model's vocabulary
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(

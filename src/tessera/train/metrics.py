@@ -1,7 +1,8 @@
 """Run outputs on rank 0: ``metrics.jsonl`` (one JSON object per line), ``summary.json`` and the plots.
 
-Each line has ``kind`` "train" (step, loss, lr, tokens_per_s, grad_norm, comm per step by axis/op,
-memory per rank) or "eval" (step, val_loss).
+Each line has ``kind`` "train" (step, loss, lr, tokens_per_s, flops_per_s and mfu (tessera.observe.mfu),
+grad_norm, comm per step by axis/op, memory per rank) or "eval" (step, val_loss). With ``tensorboard``
+the same numbers also go to TensorBoard event files (tessera.observe.tensorboard).
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import json
 import math
 from pathlib import Path
 
+from tessera.observe.tensorboard import TensorBoardWriter
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
         self.run_dir = run_dir
+        self.tensorboard = TensorBoardWriter(run_dir) if tensorboard else None
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         self.train: list[dict] = []
@@ -40,9 +44,13 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()  # a killed run keeps every line written so far
         (self.evals if record.get("kind") == "eval" else self.train).append(record)
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def write_summary(self, summary: dict) -> Path:
         path = self.run_dir / "summary.json"

@@ -40,7 +40,7 @@ def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], dp: Com
 
 def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dp: CommGroup,
                      device: torch.device, activation_tracker=None, loss_scale: float = 1.0,
-                     loss_fn=cross_entropy_sum) -> StepResult:
+                     loss_fn=cross_entropy_sum, timer=None) -> StepResult:
     """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only.
 
     ``dp`` is every group of ranks that see different tokens of the step (dp × cp). ``loss_scale``
@@ -49,7 +49,9 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     sharded engine's ``clip_grad_norm(max_norm, inv_scale)``).
     ``loss_fn(logits, targets, ignore_index) -> (sum, count)``, e.g. the vocabulary-parallel loss under tp.
     A mixture-of-experts model's routing losses are added as sums (see ``models/moe.py``) but not reported.
+    ``timer`` (a ``tessera.observe.step_time.StepTimer``) times the forward and backward parts when given.
     """
+    phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     total_tokens = global_token_count(batches, dp, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last = len(batches) - 1
@@ -58,10 +60,12 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
         sync = i == last or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
-            with tracking:  # the loss's saved logits count as activations too
-                s, _ = loss_fn(model(x), y, ignore_index=IGNORE_INDEX)
-            scaled = (s + moe_loss_sum(model)) / total_tokens.to(s.dtype)
-            (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
+            with phase("forward"):
+                with tracking:  # the loss's saved logits count as activations too
+                    s, _ = loss_fn(model(x), y, ignore_index=IGNORE_INDEX)
+                scaled = (s + moe_loss_sum(model)) / total_tokens.to(s.dtype)
+            with phase("backward"):
+                (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
         loss_sum += s.detach().double()
     comm.all_reduce(loss_sum, dp)
     return StepResult(loss=float(loss_sum / total_tokens), tokens=int(total_tokens))

@@ -7,6 +7,7 @@ files (metrics, summary, plot), except the checkpoint, which every rank writes i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,9 +34,12 @@ from tessera.train.config import JobConfig, save_config
 from tessera.train.data import WindowSampler, eval_windows, load_corpus, make_batch
 from tessera.train.memory import MemoryLedger
 from tessera.train.metrics import MetricsWriter, finite
+from tessera.observe.mfu import ModelFlops
 from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
 from tessera.train.rundir import resolve_run_dir
+from tessera.observe.profile import StepProfiler
 from tessera.train.step import evaluate, forward_backward
+from tessera.observe.step_time import StepTimer, add_split, split_fields
 from tessera.train.strategies import loss_function, shard_step, tokens_group
 from tessera.zero.offload.check import with_offload_folder
 
@@ -50,6 +54,7 @@ class Interval:
     seconds: float = 0.0
     grad_norm: float = 0.0
     skipped_at: list = field(default_factory=list)  # steps skipped on inf/nan gradients (loss scaling)
+    time_split: dict = field(default_factory=dict)  # part -> seconds summed (train.time_breakdown; step_time)
 
 
 def meta_model(cfg: JobConfig) -> Transformer:
@@ -130,7 +135,7 @@ class Trainer:
                                       d.micro_batch_size, self.dp.rank, self.dp.size)
         ]
         self.run_dir = resolve_run_dir(cfg, self.topology, device)
-        self.metrics = MetricsWriter(self.run_dir) if self.is_main else None
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.is_main else None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
         self.start_step, self.start_interval, self.val_start = 0, Interval(), None
@@ -138,6 +143,16 @@ class Trainer:
         found = resume.find_resume(cfg.checkpoint.resume, self.checkpoint_folder)
         if found is not None:
             self._resume(found)
+
+    @functools.cached_property
+    def model_flops(self) -> ModelFlops:
+        """flops_per_s and mfu of a metrics line (rank 0 only: no collective)."""
+        return ModelFlops(self.cfg, self.device, self.topology.world_size)
+
+    @functools.cached_property
+    def timer(self) -> StepTimer:
+        """Each step's time split (``train.time_breakdown``; a no-op when off)."""
+        return StepTimer(self.device, self.ledger, self.cfg.train.time_breakdown)
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -177,9 +192,12 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step",
                    disable=not (self.is_main and self.cfg.run.progress), dynamic_ncols=True)
         val_end, last_loss = val_start, float("nan")
+        profiler = StepProfiler(self.cfg.profile, self.run_dir, self.topology.rank, self.device)
         for step in range(self.start_step + 1, cfg.steps + 1):
             log_now = step % cfg.log_every == 0 or step == cfg.steps
-            result, grad_norm, seconds = self._train_step(track=log_now)
+            with profiler.step(step):  # a chosen step's trace is written after it, outside its timer
+                result, grad_norm, seconds = self._train_step(track=log_now)
+            add_split(interval.time_split, self.timer.take())
             if grad_norm is None:
                 interval.skipped_at.append(step)
                 self._log_skip(step)
@@ -212,26 +230,20 @@ class Trainer:
         after the update, while gradients (and communication buckets) are still held."""
         synchronize(self.device)
         t0 = time.perf_counter()
+        self.timer.start()
         batches = shard_step([make_batch(self.corpus.train, ids, self.cfg.data.seq_len)
                               for ids in self.sampler.next_step()], self.topology, self.core)
         tracker = self.memory.track_activations if track else None
-        if self.pipe is not None:
-            result = self.pipe.forward_backward(batches, activation_tracker=tracker, loss_scale=self.scaler.scale)
+        if self.pipe is not None:  # a schedule interleaves forwards and backwards: timed together
+            with self.timer.phase("forward_backward"):
+                result = self.pipe.forward_backward(batches, activation_tracker=tracker,
+                                                    loss_scale=self.scaler.scale)
         else:
             result = forward_backward(self.model, batches, self.tokens_group, self.device, activation_tracker=tracker,
-                                      loss_scale=self.scaler.scale, loss_fn=self.loss_fn)
-        if self.pipe is not None:
-            grad_norm = self._pipeline_update()
-        elif self.engine is not None:
-            grad_norm = self._engine_update()
-        elif not self._unscaled():  # with a loss scale: inf/nan gradients on any rank skip the step everywhere
-            grad_norm = None
-        else:
-            # device given: a rank with no gradient still joins the norm's all-reduces
-            grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
-                                       axes_of=sharded_axes(self.core, self.topology), device=self.device)
-            self.optimizer.step()
-        self.scheduler.step()
+                                      loss_scale=self.scaler.scale, loss_fn=self.loss_fn, timer=self.timer)
+        with self.timer.phase("optimizer"):
+            grad_norm = self._update()
+            self.scheduler.step()
         if track:
             self.last_memory = self.memory.snapshot(peak_memory_bytes(self.device))
         if self.engine is not None:
@@ -242,6 +254,20 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
         return result, grad_norm, time.perf_counter() - t0
+
+    def _update(self) -> float | None:
+        """Clip and step on any layout; the norm, or None when the step was skipped."""
+        if self.pipe is not None:
+            return self._pipeline_update()
+        if self.engine is not None:
+            return self._engine_update()
+        if not self._unscaled():  # with a loss scale: inf/nan gradients on any rank skip the step everywhere
+            return None
+        # device given: a rank with no gradient still joins the norm's all-reduces
+        grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
+                                   axes_of=sharded_axes(self.core, self.topology), device=self.device)
+        self.optimizer.step()
+        return grad_norm
 
     def _engine_update(self) -> float | None:
         """Unscale, check for inf/nan on every rank, clip by the global norm over all shards, step.
@@ -323,9 +349,10 @@ class Trainer:
         self.metrics.log({
             "kind": "train", "step": step, "loss": finite(interval.loss / interval.steps),
             "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": interval.tokens / interval.seconds,
+            **self.model_flops.fields(interval.tokens / interval.seconds),
             "grad_norm": finite(interval.grad_norm), "comm_per_step": per_step, "memory": memory,
             "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
-            "skipped_at": interval.skipped_at, **moe,
+            "skipped_at": interval.skipped_at, **moe, **split_fields(interval.time_split, interval.steps),
         })
 
     def _save_checkpoint(self, step: int, interval: Interval, val_start: float) -> str | None:
