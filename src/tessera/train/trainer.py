@@ -154,6 +154,12 @@ class Trainer:
         """Each step's time split (``train.time_breakdown``; a no-op when off)."""
         return StepTimer(self.device, self.ledger, self.cfg.train.time_breakdown)
 
+    @functools.cached_property
+    def lora_record(self) -> dict | None:
+        """What a checkpoint's adapters are relative to (``tessera.lora.record``): computed once, not per save
+        (a ``model.hf`` base is a digest of its files)."""
+        return adapter_record(self.cfg)
+
     @property
     def checkpoint_folder(self) -> Path:
         return self.run_dir / self.cfg.checkpoint.folder
@@ -361,7 +367,7 @@ class Trainer:
         meta = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topology.world_size,
                 "layout": self.topology.describe(), "loss_scaler": self.scaler.state_dict(),
                 "interval": dataclasses.asdict(interval), "val_loss_start": val_start, "rng": rng,
-                "lora": adapter_record(self.cfg)}  # what the adapters are relative to (tessera.lora.record)
+                "lora": self.lora_record}
         path = step_path(self.checkpoint_folder, step)
         save_training_state(path, meta, self.core, self.optimizer, self.engine, self.topology)
         if self.is_main:

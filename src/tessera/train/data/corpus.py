@@ -25,7 +25,7 @@ from tqdm import tqdm
 from tessera.errors import ConfigError
 from tessera.train.data.documents import SplitRule, text_sources
 from tessera.train.data.documents import read_text_bytes as _read_text
-from tessera.train.data.files import exclusive, read_json, temp_writer, write_json
+from tessera.train.data.files import built_once, temp_writer, write_json
 from tessera.train.data.prepare import is_prepared, prepare, read_prepared
 from tessera.train.data.sft import SFTExamples, check_prompts_fit, open_sft_split
 from tessera.train.data.shards import TokenStream, open_split
@@ -209,18 +209,8 @@ def _build(out_dir: str, source: str, files: List[SourceFile], key: str,
 
 def _load_or_build(out_dir: str, source: str, files: List[SourceFile], key: str,
                    val_fraction: float, progress: bool) -> Dict[str, object]:
-    meta = read_json(out_dir, "meta.json")  # fast path: no lock once the cache exists
-    if meta is not None:
-        return meta
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cache directory {out_dir!r} cannot be created ({e.strerror})") from e
-    with exclusive(os.path.join(out_dir, ".lock")):
-        meta = read_json(out_dir, "meta.json")  # another process may have built it while we waited
-        if meta is None:
-            meta = _build(out_dir, source, files, key, val_fraction, progress)
-    return meta
+    return built_once(out_dir, "cache directory",
+                      lambda: _build(out_dir, source, files, key, val_fraction, progress))[0]
 
 
 def _prepared(cfg: DataConfig) -> Optional[Tuple[str, Dict[str, object]]]:

@@ -7,7 +7,9 @@ import contextlib
 import json
 import os
 import tempfile
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+from tessera.errors import ConfigError
 
 try:  # POSIX only; without it concurrent builders still never see a torn cache (os.replace).
     import fcntl
@@ -56,3 +58,20 @@ def exclusive(lock_path: str) -> Iterator[None]:
         finally:
             if fcntl is not None:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def built_once(out_dir: str, what: str, build: Callable[[], Dict[str, object]]) -> Tuple[Dict[str, object], bool]:
+    """(the meta.json of ``out_dir``, whether this call built it). ``meta.json`` is written last, so it marks a
+    complete folder: read without a lock when present; else the folder is created (``what`` names it in the
+    error) and, under its lock, read again (another process may have finished it while we waited) or made by
+    ``build`` (which writes meta.json and returns it)."""
+    meta = read_json(out_dir, "meta.json")  # fast path: no lock once the folder is complete
+    if meta is not None:
+        return meta, False
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what} {out_dir!r} cannot be created ({e.strerror})") from e
+    with exclusive(os.path.join(out_dir, ".lock")):
+        meta = read_json(out_dir, "meta.json")
+        return (meta, False) if meta is not None else (build(), True)

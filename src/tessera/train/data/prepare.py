@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from tessera.errors import ConfigError
 from tessera.train.data.documents import Source, SplitRule, document_keys, documents
-from tessera.train.data.files import exclusive, read_json, write_json
+from tessera.train.data.files import built_once, read_json, write_json
 from tessera.train.data.sft import SFTFields, check_sources, encode_examples, examples
 from tessera.train.data.shards import ShardWriter, finished_shards, prompt_lengths, remove_shards_from
 from tessera.train.data.tokenizer import HFTokenizer, Tokenizer, token_dtype
@@ -80,19 +80,13 @@ def prepare(sources: Sequence[Source], out_dir: str, tokenizer: Tokenizer, *, va
         sft.check()
         check_sources(sources)
     plan = _plan(sources, tokenizer, val_fraction, text_field, shard_tokens, sft)
-    meta = read_json(out_dir, "meta.json")  # fast path: no lock once the folder is complete
-    if meta is not None:
-        return _already(meta, plan, out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"folder {out_dir!r} cannot be created ({e.strerror})") from e
-    with exclusive(os.path.join(out_dir, ".lock")):
-        meta = read_json(out_dir, "meta.json")  # another process may have finished it while we waited
-        if meta is not None:
-            return _already(meta, plan, out_dir)
+
+    def build() -> Dict[str, object]:
         _claim(out_dir, plan)
         return _build(sources, out_dir, tokenizer, plan, progress)
+
+    meta, built = built_once(out_dir, "folder", build)
+    return meta if built else _already(meta, plan, out_dir)
 
 
 def _already(meta: Dict[str, object], plan: Dict[str, object], out_dir: str) -> Dict[str, object]:
