@@ -40,9 +40,41 @@ def command_line() -> str:
     return shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
-def load_note() -> str:
-    """The machine's 1-minute load average now, for the doc line (CPU timings are only as quiet as this)."""
-    return f"1-minute load average {os.getloadavg()[0]:.1f} at the end of the run on {os.cpu_count()} cores"
+# The minimum number of interleaved rounds a published ratio rests on: fewer rounds on a shared machine
+# give medians that move by more than the differences the tables report.
+MIN_ROUNDS = 7
+_LOAD_AT_IMPORT = os.getloadavg()[0]
+
+
+def git_commit() -> str:
+    """The checkout's commit (short hash), marked when tracked files differ from it, or "unknown"."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head} with uncommitted changes" if dirty else head
+
+
+def provenance() -> str:
+    """What every benchmark table states about its numbers: the exact command, the commit, the machine and
+    torch, and the machine's load when the script started and now (CPU timings are only as quiet as this).
+    Call it at the end of the run."""
+    cores = os.cpu_count()
+    return (f"Command: `{command_line()}`; commit {git_commit()}; {machine()}; 1-minute load average "
+            f"{_LOAD_AT_IMPORT:.1f} at the start and {os.getloadavg()[0]:.1f} at the end on {cores} cores.")
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """A ratio as the tables report it: the median of per-round values with their range,
+    ``0.953 (0.904–1.037)``."""
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
 
 
 def replace_section(path: Path, name: str, title: str, lines: list[str]) -> None:
@@ -134,3 +166,23 @@ def no_forward_buffer_sync() -> dict:
 
     params = inspect.signature(TorchDDP.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
+def one_process_parser(doc: str, threads_help: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that times variants in one process (small preset, 7 rounds of 2 warm-up
+    + 10 timed steps, one thread unless told); ``--ranks`` is refused by ``one_process_args``."""
+    parser = bench_parser(doc, ranks=[1], preset="small", batch=8, seq=128, rounds=MIN_ROUNDS, steps=10,
+                          warmup=2)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help=threads_help)
+    parser.add_argument("--device", default="cpu", help="cpu, or an accelerator such as cuda")
+    return parser
+
+
+def one_process_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, refuse --ranks other than 1 (exit 2), and fix torch's thread count as asked."""
+    args = parser.parse_args()
+    if args.ranks != [1]:
+        parser.error("this benchmark runs in one process: --ranks must be 1")
+    torch.set_num_threads(args.threads)
+    return args

@@ -20,23 +20,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, load_note, machine, replace_section  # noqa: E402
+from _common import DOCS, provenance, replace_section  # noqa: E402
 
 RUNS = {  # name -> the CLI arguments after `tessera train` (no layout key: the demo)
     "3d": [],
     "ddp2": ["--nproc", "2"],
 }
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-        return out.stdout.strip() + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(name: str, out_dir: Path, steps: int | None) -> tuple[list[dict], float]:
@@ -79,9 +68,8 @@ def main() -> None:
         results = {name: run(name, Path(tmp), args.steps) for name in RUNS}
     diff = compare(results["3d"][0], results["ddp2"][0])
     (v3, vd), (t3, td) = diff["eval_last"], diff["train_last"]
-    command = "python benchmarks/demo_curve.py" + (f" --steps {args.steps}" if args.steps else "")
     lines = [
-        f"`{command}` (commit {git_commit()}; {machine()}; {load_note()}). Both runs through the CLI: the "
+        f"{provenance()} Both runs through the CLI: the "
         f"demo (`tessera train`: dp2 × tp2 × pp2, 1F1B, 8 ranks, {results['3d'][1]:.0f} s) and plain DDP "
         f"(`tessera train --nproc 2`, {results['ddp2'][1]:.0f} s), same model, seed, data and global batch.",
         "",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, command_line, load_note, machine, replace_section  # noqa: E402
+from _common import DOCS, provenance, replace_section  # noqa: E402
 from _procs import descendants, is_rank, sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,10 +107,6 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: " + ", ".join(LAYOUTS))
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/LORA.md alone")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
     rows = ["| model | layout | training | trainable parameters | predicted params / grads / optimizer (MB) "
             "| measured params / grads / optimizer (MB) | predicted states (MB) | measured states (MB) | err "
             "| predicted peak, memory check (MB) | measured peak RSS (MB) |",
@@ -123,9 +118,7 @@ def main() -> None:
                 for lora in (False, True):
                     rows.append(row(model, layout, lora, tmp))
                     print(rows[-1], flush=True)
-    lines = [f"Machine: {machine()}; {load_note()} (/proc/loadavg: {Path('/proc/loadavg').read_text().strip()}); "
-             f"commit {commit}{' with uncommitted changes' if dirty else ''}; "
-             f"{time.time() - start:.0f} s; `{command_line()}`. Every job: `{' '.join(COMMON)}`; LoRA: "
+    lines = [f"{provenance()} {time.time() - start:.0f} s in all. Every job: `{' '.join(COMMON)}`; LoRA: "
              f"`{' '.join(LORA)}`. Measured states: the most any rank holds.", "", *rows]
     if not args.no_write:
         replace_section(DOCS / "LORA.md", "lora-memory", "Memory", lines)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, command_line, load_note, machine, replace_section  # noqa: E402
+from _common import DOCS, provenance, replace_section  # noqa: E402
 from _procs import descendants, is_rank, sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,8 +79,6 @@ def main() -> None:
     parser.add_argument("--jobs", default=",".join(JOBS), help="comma-separated names of " + ", ".join(JOBS))
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/PLANNER.md alone")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     rows = ["| job | ranks | flags (2 steps) | planner: states / activations / buffers (GB) | predicted peak (GB) "
             "| measured peak RSS, max over ranks (GB) | err | trainer's peak memory (GB) |", "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,8 +93,8 @@ def main() -> None:
                         f"{parts['buffers'] / GB:.3f} | {need / GB:.2f} | {measured / GB:.2f} | "
                         f"{(need - measured) / measured:+.0%} | {trainer / GB:.2f} |")
             print(rows[-1], flush=True)
-    lines = [f"Machine: {machine()}; {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.1f} GB RAM; "
-             f"{load_note()}; commit {commit}; `{command_line()}`.", "", *rows]
+    lines = [f"{provenance()} {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.1f} GB RAM.", "",
+             *rows]
     if not args.no_write:
         replace_section(DOCS / "PLANNER.md", "memory-check", "Predicted against measured peak memory", lines)
     print("\n".join(lines))

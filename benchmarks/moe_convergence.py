@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, load_note, machine, replace_section  # noqa: E402
+from _common import DOCS, provenance, replace_section  # noqa: E402
 
 from tessera.models import Transformer, cross_entropy_sum, model_config  # noqa: E402
 from tessera.models.moe import MoEConfig, moe_loss_sum  # noqa: E402
@@ -122,8 +122,7 @@ def write_docs(results: dict, args) -> None:
     on = results[BALANCED]["rows"]
     plot_expert_load([r["step"] for r in on], [r["moe_load_per_layer"] for r in on], str(DOCS / "moe_expert_load.png"),
                      (BAND_LO, BAND_HI), title=f"{BALANCED}, top-{args.top_k}")
-    lines = [f"Measured by `python benchmarks/moe_convergence.py --steps {args.steps}` on {machine()}, "
-             f"one process per run, {load_note()}. Model `moe-small` "
+    lines = [f"{provenance()} One process per run. Model `moe-small` "
              f"({results[BALANCED]['params'] / 1e6:.2f}M parameters: dim 256, 4 layers, 8 SwiGLU experts of 344 "
              f"hidden units in blocks 1 and 3), top-{args.top_k}, capacity factor 1.25, batch "
              f"{args.batch}×{args.seq} tokens of the default corpus, the trainer's AdamW (peak lr {args.lr}, "

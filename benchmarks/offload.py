@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, command_line, load_note, machine, replace_section  # noqa: E402
+from _common import DOCS, provenance, replace_section  # noqa: E402
 from _procs import descendants, is_rank, sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,15 +123,12 @@ def report(args, result: dict, offload_dir: Path) -> list[str]:
         rows.append(f"| the same job with `zero.offload=none` | exit {r['code']} after {r['seconds']:.1f} s: "
                     f"{r['message'].replace('|', '/')} |")
     usage = shutil.disk_usage(offload_dir)
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     # the flags without the command's name: the docs test dry-runs every `tessera ...` span of docs/*.md, and
     # this one's free-space check would refuse a CI disk with less room than the 7B model's state
-    return [f"Flags of tessera train: `{' '.join(train_flags(args))}` (plus `{' '.join(RUN_FLAGS)}`), run by "
-            f"`{command_line()}`. Machine: {machine()}; {ram:.1f} GB RAM; offload folder on a disk with "
-            f"{usage.total / GB:.0f} GB ({usage.free / GB:.0f} GB free after the run); {load_note()}; commit "
-            f"{commit}.", "", *rows]
+    return [f"{provenance()} Flags of tessera train: `{' '.join(train_flags(args))}` (plus "
+            f"`{' '.join(RUN_FLAGS)}`); {ram:.1f} GB RAM; offload folder on a disk with {usage.total / GB:.0f} GB "
+            f"({usage.free / GB:.0f} GB free after the run).", "", *rows]
 
 
 def main() -> None:

@@ -4,11 +4,11 @@ Both precisions run the same job through the CLI (the demo's model, data, seed a
 after the other, interleaved A B A B over ``--rounds`` rounds so a shared machine's noise hits both
 alike. A run's step time is the median over its logged intervals after the first (warm-up) of
 tokens per step / tokens per second. The ratio reported is the median over rounds of bf16 / fp32, with
-its range. bf16 halves the bytes of every activation, gradient and message and adds the fp32 master
-copy's update; what that nets depends on the machine (its bf16 matrix units, memory bandwidth), so it is
-measured, here and on a GPU with the same command.
+its min–max over rounds. bf16 halves the bytes of every activation, gradient and message and adds the fp32
+master copy's update; what that nets depends on the machine (its bf16 matrix units, memory bandwidth), so
+it is measured, here and on a GPU with the same command.
 
-    python benchmarks/precision.py                 # 3 rounds of 12 steps each, writes docs/BENCHMARKS.md
+    python benchmarks/precision.py                 # 7 rounds of 12 steps each, writes docs/BENCHMARKS.md
     python benchmarks/precision.py --rounds 1 --steps 6 --no-write
 """
 
@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, command_line, load_note, machine, replace_section  # noqa: E402
-from demo_curve import git_commit  # noqa: E402
+from _common import DOCS, MIN_ROUNDS, provenance, replace_section, spread  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -51,7 +50,7 @@ def _tokens_per_step(run_dir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
@@ -63,14 +62,13 @@ def main() -> None:
                 print(f"round {r} {p}: {times[p][-1] * 1e3:.0f} ms/step", flush=True)
     ratios = [b / f for b, f in zip(times["bf16"], times["fp32"])]
     lines = [
-        "| precision | step time (median of rounds) | bf16 / fp32 (median, range) |",
+        "| precision | step time (median of rounds) | bf16 / fp32 (median (min–max) over rounds) |",
         "|---|---|---|",
         f"| fp32 | {statistics.median(times['fp32']) * 1e3:.0f} ms | |",
-        f"| bf16 (fp32 master weights) | {statistics.median(times['bf16']) * 1e3:.0f} ms | "
-        f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |",
+        f"| bf16 (fp32 master weights) | {statistics.median(times['bf16']) * 1e3:.0f} ms | {spread(ratios, 2)} |",
         "",
-        f"`{command_line()}` — {args.rounds} interleaved rounds of {args.steps} steps, the demo layout "
-        f"(dp2 × tp2 × pp2, 1F1B, 8 ranks, `small` preset); commit {git_commit()}; {machine()}; {load_note()}.",
+        f"{provenance()} {args.rounds} interleaved rounds (the order alternates every round) of {args.steps} "
+        "steps, the demo layout (dp2 × tp2 × pp2, 1F1B, 8 ranks, `small` preset).",
     ]
     print("\n".join(lines))
     if not args.no_write:

@@ -2,12 +2,13 @@
 tessera 1D TP (+SP) against DTensor ``parallelize_module`` — all in one invocation.
 
     python benchmarks/tensor_parallel.py               # everything; rewrites the tp sections of the docs
-    python benchmarks/tensor_parallel.py --no-write --rounds 2
+    python benchmarks/tensor_parallel.py --no-write --skip memory ledger --rounds 1 --steps 1 --warmup 1
 
 Memory: saved activations per transformer layer, measured with ``MemoryLedger.track_activations`` as
 (forward of a 3-layer model − forward of a 1-layer model) / 2, so embedding, head and loss cancel.
 Attention runs on SDPA's math kernel with dropout on, so the softmax, its dropout mask and output are
-materialised like in the paper's a·s² term. Speed: the same model and ranks, interleaved A B A B.
+materialised like in the paper's a·s² term. Speed: the same model and ranks, interleaved A B A B, the
+same AdamW arguments on both sides; ratios as median (min–max) over rounds.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DOCS, ab_summary, bench_parser, interleaved_times, load_note, machine, pool_manager,  # noqa: E402
-                     replace_section, token_batch)
+from _common import (DOCS, MIN_ROUNDS, ab_summary, bench_parser, interleaved_times, pool_manager,  # noqa: E402
+                     provenance, replace_section, spread, token_batch)
 
 from tessera.comm import CommLedger  # noqa: E402
 from tessera.tensor_parallel.nd import Grid2D, Grid3D, Layout2D, Layout3D, TransformerBlockND  # noqa: E402
@@ -223,7 +224,7 @@ def speed_worker(rank, world_size, preset, batch, seq, rounds, steps, warmup):
             torch.manual_seed(0)
             ours = apply_tensor_parallel(Transformer(cfg), tp, TensorParallelConfig(sequence_parallel=sp))
             theirs = _dtensor_model(cfg, mesh, sp)
-            models[("tessera", sp)] = (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4))
+            models[("tessera", sp)] = (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, foreach=False))
             models[("dtensor", sp)] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4, foreach=False))
         x, y = token_batch(0, batch, seq, cfg.vocab_size)
         loss = {f"{k}/{'sp' if sp else 'tp'}": _loss(k, m, x, y, tp) for (k, sp), (m, _) in models.items()}
@@ -259,7 +260,7 @@ def memory_table(pools) -> str:
            f"(the paper: sbh(10 + 24/t + 5as/(ht)) in 16-bit); without TP sbh({r + p:.2f} + {attn:.2f}·as/h) "
            f"(paper: sbh(34 + 5as/h)); check: none = {m2['none'] / sbh:.2f}·sbh, "
            f"formula = {r + p + attn * a * MEM_S / h:.2f}·sbh.")
-    return (f"Measured by `python benchmarks/tensor_parallel.py` on {machine()}. Model: tiny preset with "
+    return (f"{provenance()} Model: tiny preset with "
             f"h={h}, a={a} heads (kv {MEM_SHAPE['n_kv_heads']}), SwiGLU F={MEM_SHAPE['ffn_hidden_dim']}, fp32, "
             f"dropout {MEM_SHAPE['dropout']}, SDPA math kernel; b={MEM_B}, s={MEM_S}; as/h = {a * MEM_S / h:g}. "
             "Per layer = (saved bytes of a 3-layer forward − a 1-layer forward) / 2, from "
@@ -268,8 +269,8 @@ def memory_table(pools) -> str:
 
 def ledger_tables(pools) -> str:
     b, s, h = LED_B, LED_S, LED_SHAPE["dim"]
-    lines = [f"Measured by `python benchmarks/tensor_parallel.py` on {machine()} (CommLedger payload bytes per "
-             "rank, fp32; byte counts do not depend on the machine). "
+    lines = [f"{provenance()} CommLedger payload bytes per rank, fp32 (byte counts do not depend on the "
+             "machine). "
              f"1D: tiny model h={h}, b={b}, s={s} (b·s·h·4 = {b * s * h * 4} bytes), per layer per micro-batch "
              "= (3-layer − 1-layer) / 2.", "",
              "| scheme | t | phase | measured (op: bytes) | formula (op: bytes) |", "|---|---|---|---|---|"]
@@ -294,37 +295,37 @@ def ledger_tables(pools) -> str:
 
 
 def speed_section(pools, args) -> str:
-    rows = ["| ranks | mode | tessera step (s) | DTensor step (s) | ratio tessera/DTensor | ratio per round |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| ranks | mode | tessera step (s) | DTensor step (s) | ratio tessera/DTensor |", "|---|---|---|---|---|"]
     for world in args.ranks:
         times = pools.run(speed_worker, world, timeout=3600.0, preset=args.preset, batch=args.batch, seq=args.seq,
                           rounds=args.rounds, steps=args.steps, warmup=args.warmup)
         losses = times[0]["loss"]
-        spread = max(losses.values()) - min(losses.values())
-        if spread > 1e-4:
+        gap = max(losses.values()) - min(losses.values())
+        if gap > 1e-4:
             raise RuntimeError(f"tessera and DTensor disagree on the first loss: {losses}")
-        print(f"first-batch losses agree within {spread:.1e}: {losses}", flush=True)
+        print(f"first-batch losses agree within {gap:.1e}: {losses}", flush=True)
         for mode in ("tp", "sp"):
             s = ab_summary(times, f"tessera/{mode}", f"dtensor/{mode}")  # per round, the slowest rank's median
             ours, theirs, ratios = s[f"tessera/{mode}"], s[f"dtensor/{mode}"], s["ratio"]
             rows.append(f"| {world} | {'1D TP' if mode == 'tp' else '1D TP + SP'} | {statistics.median(ours):.4f} | "
-                        f"{statistics.median(theirs):.4f} | **{statistics.median(ratios):.3f}** | "
-                        f"{', '.join(f'{r:.3f}' for r in ratios)} |")
+                        f"{statistics.median(theirs):.4f} | **{spread(ratios)}** |")
             print(rows[-1], flush=True)
     params = model_config(args.preset).num_params()
-    return (f"Measured by `python benchmarks/tensor_parallel.py` on {machine()}; {load_note()}. Model: "
+    return (f"{provenance()} Model: "
             f"`{args.preset}` preset ({params / 1e6:.2f}M parameters), batch {args.batch}×{args.seq} tokens "
-            "(the same on every tp rank), AdamW; step = forward + vocab-parallel loss + backward + update. "
+            "(the same on every tp rank), AdamW (lr 1e-4, foreach off, on both sides); step = forward + "
+            "vocab-parallel loss + backward + update. "
             "Baseline: DTensor `parallelize_module` with ColwiseParallel / RowwiseParallel (+ SequenceParallel "
             "norms and Shard(1) activations for SP), `loss_parallel`, torchtitan's plan. "
             f"{args.rounds} interleaved rounds of {args.warmup} warm-up + {args.steps} timed steps per variant. "
-            "Ratio = median over rounds of tessera / DTensor (slowest rank's median step). Target ≤ 1.0. "
+            "Step = the slowest rank's median step in a round, then the median over rounds; ratio = per round "
+            "tessera / DTensor, shown as median (min–max over rounds). Target ≤ 1.00. "
             "Before timing, the script checks that all four models give the same first-batch loss.\n\n"
             + "\n".join(rows))
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, ranks=[2], preset="small", batch=8, seq=128, rounds=5, steps=3, warmup=1,
+    parser = bench_parser(__doc__, ranks=[2], preset="small", batch=8, seq=128, rounds=MIN_ROUNDS, steps=3, warmup=1,
                           no_write_help="print only; leave the docs alone")
     parser.add_argument("--skip", nargs="*", default=[], choices=["memory", "ledger", "speed"])
     args = parser.parse_args()

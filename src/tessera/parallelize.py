@@ -1,8 +1,9 @@
 """The one place that knows the order in which strategies are applied to a model.
 
 Order (torchtitan's, extended): pipeline split → tensor parallel (+ sequence parallel) → context
-parallel → activation checkpointing → expert parallel → mixed precision → data parallel / ZeRO.
-The model-side part of that chain (tp → cp → checkpointing → ep) is :func:`parallelize_model_side`, which
+parallel → [kernels] (compile of the blocks' forwards, when asked) → activation checkpointing → expert
+parallel → mixed precision → data parallel / ZeRO.
+The model-side part of that chain (tp → cp → kernels → checkpointing → ep) is :func:`parallelize_model_side`, which
 :func:`parallelize` applies to a whole model and the pipeline (``tessera.train.pipeline_stage``) to each of
 its stages; the pipeline step itself and its data-parallel side are ``tessera.train.pipeline_step``'s,
 which calls :func:`norm_axes` / :func:`sharded_axes` too, so every clipping path counts each gradient
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 
 from tessera.data_parallel import DDPConfig, DistributedDataParallel
+from tessera.kernels.apply import apply_kernels
+from tessera.kernels.compile import apply_compile
 from tessera.models.init import materialize, materialize_buffers
 from tessera.precision import PrecisionConfig
 from tessera.recompute import RecomputeConfig, apply_checkpointing
@@ -47,7 +50,7 @@ def data_parallel_group(topology: Topology):
 def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: ZeroConfig | None = None,
                 precision: PrecisionConfig | None = None, recompute: RecomputeConfig | None = None,
                 param_groups: list[dict] | None = None, make_optimizer=None, tensor_parallel=None,
-                context_parallel=None, device: torch.device = torch.device("cpu")) -> nn.Module:
+                context_parallel=None, device: torch.device = torch.device("cpu"), kernels=None) -> nn.Module:
     """Apply every strategy the topology asks for to ``model`` (in place where possible).
 
     Tensor parallelism (+SP; MoE feed-forwards stay whole on every tp rank), then context parallelism,
@@ -58,7 +61,7 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
     may be a callable ``model -> groups``, called after tensor parallelism replaced the layers.
     """
     parallelize_model_side(model, topology, tensor_parallel=tensor_parallel, context_parallel=context_parallel,
-                           recompute=recompute)
+                           recompute=recompute, kernels=kernels)
     materialize_unless_sharded(model, topology, device)
     if topology.size("ep") > 1:  # experts sharded over ep; dense grads over dp, expert grads over edp
         from tessera.moe import expert_parallelize, expert_zero
@@ -90,12 +93,14 @@ def parallelize(model: nn.Module, topology: Topology, ddp: DDPConfig, *, zero: Z
 
 
 def parallelize_model_side(model: nn.Module, topology: Topology, *, tensor_parallel=None, context_parallel=None,
-                           recompute: RecomputeConfig | None = None) -> nn.Module:
+                           recompute: RecomputeConfig | None = None, kernels=None) -> nn.Module:
     """The model-side strategies, in place and in the one order: tensor parallelism (+SP; MoE
-    feed-forwards left whole), context-parallel attention cores, activation checkpointing of the blocks,
-    expert-parallel MoE layers (all-to-all over "ep"; under SP run on the whole sequence). ``model`` is a
-    whole Transformer or one pipeline stage of it (its ``layers`` keep the model's keys, so
-    ``checkpointing.every`` picks the same blocks in both). :func:`parallelize` and the pipeline's stage
+    feed-forwards left whole), context-parallel attention cores, ``torch.compile`` of each block's forward
+    when ``kernels.compile`` (below every module hook; ``tessera.kernels.compile``), activation
+    checkpointing of the blocks (around the compiled forward), expert-parallel MoE layers (all-to-all
+    over "ep"; under SP run on the whole sequence). ``model`` is a whole Transformer or one pipeline
+    stage of it (its ``layers`` keep the model's keys, so ``checkpointing.every`` picks the same blocks
+    in both). :func:`parallelize` and the pipeline's stage
     preparation (``tessera.train.pipeline_stage``) both call it; the data-parallel side is theirs."""
     tp_cfg = None
     if topology.size("tp") > 1:
@@ -104,6 +109,8 @@ def parallelize_model_side(model: nn.Module, topology: Topology, *, tensor_paral
         from tessera.context_parallel import ContextParallelConfig, apply_context_parallel
 
         apply_context_parallel(model, topology.group("cp"), context_parallel or ContextParallelConfig())
+    apply_kernels(model, kernels)  # rms_norm / gqa on the norms and cores tp and cp left, before tracing
+    apply_compile(model, kernels)  # lazy: traced at first call, after ep and dp wrap
     if recompute is not None and recompute.mode != "none":
         every = recompute.every  # by the model's block index, which a stage's layer keys keep
         blocks = [block for key, block in model.layers.items() if int(key) % every == 0]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from tessera.models.layers import repeat_kv
+
 
 def _repeat_heads(x_BKTE: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, K, T, E] -> [B, K·n_rep, T, E] (query head h reads kv head h // n_rep)."""
-    if n_rep == 1:
-        return x_BKTE
-    b, k, t, e = x_BKTE.shape
-    return x_BKTE[:, :, None].expand(b, k, n_rep, t, e).reshape(b, k * n_rep, t, e)
+    """[B, K, T, E] -> [B, K·n_rep, T, E] (query head h reads kv head h // n_rep): the model's
+    ``repeat_kv`` on the sequence-first view, returned heads-first (a strided view; matmul takes it)."""
+    return repeat_kv(x_BKTE.transpose(1, 2), n_rep).transpose(1, 2)
 
 
 def _fold_heads(g_BHTE: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from tessera.checkpoint.export import consolidate
 from tessera.checkpoint.store import resolve
 from tessera.errors import ConfigError, UserError
+from tessera.kernels.apply import apply_kernels
 from tessera.models.llama import Transformer
 
 
@@ -107,7 +108,14 @@ def find_checkpoint(path: str | Path) -> Path:
 def checkpoint_model(path: str | Path, moe_drop_tokens: bool | None = None) -> tuple[Transformer, object, Path]:
     """(whole model, run JobConfig, resolved checkpoint) of a checkpoint or a folder of them; a LoRA run's
     adapters merged into its base weights (``tessera.lora.merge``), so the model is an ordinary one.
-    ``moe_drop_tokens``: override the run's ``moe.drop_tokens`` (generation routes every token)."""
+    ``moe_drop_tokens``: override the run's ``moe.drop_tokens`` (generation routes every token). The run's
+    ``[kernels]`` rms_norm and gqa choices are applied, so decoding computes as training did."""
+    model, cfg, checkpoint = _checkpoint_model(path, moe_drop_tokens)
+    return apply_kernels(model, cfg.kernels), cfg, checkpoint
+
+
+def _checkpoint_model(path, moe_drop_tokens):
+    """checkpoint_model's result before the run's [kernels] choices are applied."""
     checkpoint = find_checkpoint(path)
     cfg = run_config(checkpoint)
     if moe_drop_tokens is not None:

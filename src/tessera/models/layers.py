@@ -18,8 +18,23 @@ from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoEConfig, MoEFeedForward
 
 
+def rms_normalize(x_BSD: torch.Tensor, eps: float, kernel: str = "reference") -> torch.Tensor:
+    """x / rms(x) over the last dim, computed in float32 and returned in x's dtype (bf16/fp16 stay accurate).
+
+    ``kernel`` (``[kernels] rms_norm``): "reference" spells the formula out; "torch" calls ``F.rms_norm`` on
+    the same float32 copy (one fused op where the device has one; same value up to rounding)."""
+    x32 = x_BSD.float()
+    if kernel == "torch":
+        normed = F.rms_norm(x32, (x32.shape[-1],), eps=eps)
+    else:
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x_BSD)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, normalised in float32 so bf16/fp16 inputs stay accurate."""
+
+    rms_norm_kernel = "reference"  # set after build by tessera.kernels.apply_kernels, never a model key
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -30,9 +45,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x32 = x_BSD.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x_BSD) * self.weight
+        return rms_normalize(x_BSD, self.eps, self.rms_norm_kernel) * self.weight
 
 
 # ---- rotary position embeddings ------------------------------------------------------
@@ -78,6 +91,24 @@ def repeat_kv(x_BSKE: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x_BSKE[:, :, :, None, :].expand(b, s, k, n_rep, e).reshape(b, s, k * n_rep, e)
 
 
+def causal_sdpa(q_BSHE: torch.Tensor, k_BTKE: torch.Tensor, v_BTKE: torch.Tensor, gqa: str = "repeat",
+                mask_ST: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """SDPA of q [B, S, H, E] over k, v [B, T, K, E] (H a multiple of K) -> y [B, S, H, E]: causal, or
+    ``mask_ST`` (True = may attend) when given. ``gqa`` (``[kernels] gqa``): "repeat" repeats the kv heads
+    by hand to [B, T, H, E] first (the default every parity test was measured with); "sdpa" hands SDPA the
+    K heads with ``enable_gqa=True``, so no repeated copy is made (query head h reads kv head h // (H/K))."""
+    n_rep = q_BSHE.shape[2] // k_BTKE.shape[2]
+    extra = {}
+    if gqa == "sdpa" and n_rep > 1:
+        extra["enable_gqa"] = True
+    else:
+        k_BTKE, v_BTKE = repeat_kv(k_BTKE, n_rep), repeat_kv(v_BTKE, n_rep)
+    y_BHSE = F.scaled_dot_product_attention(q_BSHE.transpose(1, 2), k_BTKE.transpose(1, 2),
+                                            v_BTKE.transpose(1, 2), attn_mask=mask_ST, dropout_p=dropout,
+                                            is_causal=mask_ST is None, **extra)
+    return y_BHSE.transpose(1, 2)
+
+
 class CausalCoreAttention(nn.Module):
     """The softmax(QK^T/sqrt(E))V step of causal attention, on one device (no parameters).
 
@@ -85,6 +116,8 @@ class CausalCoreAttention(nn.Module):
     (ring attention, Ulysses, ...) without touching the projections around it. Takes the
     post-RoPE q [B, S, H, E] and un-repeated k, v [B, S, K, E]; returns y [B, S, H, E].
     """
+
+    gqa_kernel = "repeat"  # set after build by tessera.kernels.apply_kernels (see causal_sdpa)
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()
@@ -94,23 +127,12 @@ class CausalCoreAttention(nn.Module):
                 q_offset: int = 0) -> torch.Tensor:
         """``q_offset``: the absolute position of q's first row when k, v [B, q_offset + S, K, E] also hold
         the earlier positions (decoding with a KV cache); 0, with k and v as long as q, is training's case."""
-        # Repeat kv heads by hand rather than SDPA's enable_gqa: the 2D/2.5D/3D attention block repeats the
-        # same way, and switching would change the kernels (and rounding) every parity test was measured with.
-        n_rep = q_BSHE.shape[2] // k_BSKE.shape[2]
-        k_BSHE, v_BSHE = repeat_kv(k_BSKE, n_rep), repeat_kv(v_BSKE, n_rep)
         mask_ST = None
         if q_offset:  # query i (position q_offset + i) sees keys 0..q_offset + i; SDPA's is_causal would not
             s, t = q_BSHE.shape[1], k_BSKE.shape[1]
             mask_ST = torch.ones(s, t, dtype=torch.bool, device=q_BSHE.device).tril(diagonal=q_offset)
-        y_BHSE = F.scaled_dot_product_attention(
-            q_BSHE.transpose(1, 2),
-            k_BSHE.transpose(1, 2),
-            v_BSHE.transpose(1, 2),
-            attn_mask=mask_ST,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=not q_offset,
-        )
-        return y_BHSE.transpose(1, 2)
+        return causal_sdpa(q_BSHE, k_BSKE, v_BSKE, self.gqa_kernel, mask_ST,
+                           self.dropout if self.training else 0.0)
 
 
 class Attention(nn.Module):

@@ -7,6 +7,8 @@ for every parameter, or SparseAdam for the two tables plus Adam for the dense on
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -28,11 +30,13 @@ def _optimizers(model, cfg: PSConfig) -> list[torch.optim.Optimizer]:
 
 
 def train_single_process(cfg: PSConfig, steps: int, seed: int = 0) -> dict:
-    """Train on the global batch in one process; returns params, per-step losses and the final AUC."""
+    """Train on the global batch in one process; returns params, per-step losses, the final AUC and the
+    seconds of the training loop alone (``loop_seconds``: as the PS workers' clock counts them)."""
     model = build_model(cfg, seed, sparse=True)
     data = click_log(cfg, seed)
     opts = _optimizers(model, cfg)
     losses = []
+    start = time.perf_counter()
     for step in range(steps):
         parts = [data.batch(step, w, cfg.batch_size) for w in range(cfg.workers)]
         fields_BF = torch.cat([f for f, _ in parts])
@@ -44,6 +48,7 @@ def train_single_process(cfg: PSConfig, steps: int, seed: int = 0) -> dict:
         for opt in opts:
             opt.step()
         losses.append(loss.item())
+    loop_seconds = time.perf_counter() - start
     score, ceiling = evaluate(model, cfg, seed)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses,
-            "auc": score, "ceiling_auc": ceiling}
+            "auc": score, "ceiling_auc": ceiling, "loop_seconds": loop_seconds}

@@ -60,6 +60,32 @@ def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1
         torch.set_num_threads(before)
 
 
+def attention_rate(seconds: float = 0.5, threads: int = 1) -> float:
+    """FLOP/s of the reference layer's causal attention as training runs it (the model's SDPA, forward
+    and backward, q [4, 128, 8, 32] over k, v [4, 128, 4, 32]), counted as the planner counts it
+    (12·h·s per token, no causal saving), in thread CPU time. Its matmuls are [128, 32]-thin, so they
+    run well below the layer matmuls' rate, and their share of a step grows with the sequence length."""
+    from tessera.models import model_config
+    from tessera.models.layers import causal_sdpa
+
+    preset, rows, seq = REFERENCE
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cfg = model_config(preset)
+        e = cfg.head_dim
+        q = torch.randn(rows, seq, cfg.n_heads, e, requires_grad=True)
+        k, v = (torch.randn(rows, seq, cfg.n_kv_heads, e, requires_grad=True) for _ in range(2))
+        best, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < seconds or best == float("inf"):
+            t0 = time.thread_time()
+            causal_sdpa(q, k, v).sum().backward()
+            best = min(best, time.thread_time() - t0)
+        return 12.0 * cfg.dim * seq * rows * seq / best
+    finally:
+        torch.set_num_threads(before)
+
+
 def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
     """Seconds a SYNC_BYTES all-reduce adds to a segment of compute when every segment ends with one, as a
     tensor-parallel rank issues them: each round times ``reps`` segments alone, then ``reps`` with the
@@ -195,7 +221,7 @@ def layer_call_seconds(splits: int = 4, rounds: int = 5) -> float:
 
 
 def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float,
-                                 layer_call_s: float = 0.0) -> float:
+                                 layer_call_s: float = 0.0, attention_rate: float = 0.0) -> float:
     """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
     per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
     kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
@@ -203,7 +229,7 @@ def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, h
     from tessera.models import model_config
     from tessera.planner.catalog import from_model_config
     from tessera.planner.estimate import activation_bytes_per_step
-    from tessera.planner.flops import model_flops
+    from tessera.planner.flops import attention_flops as attention, model_flops
     from tessera.planner.layout import Layout
     from tessera.planner.memory import model_state_bytes
 
@@ -212,8 +238,9 @@ def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, h
     spec = from_model_config(preset, cfg)
     measured = cfg.flops_per_token(seq) * rows * seq / step_flops_alone  # the step's seconds
     update = 2 * model_state_bytes(spec.num_params(), zero_stage=0, dp=1, precision="fp32")["total"]
-    rest = (measured - model_flops(spec, rows * seq, seq) / matmul_flops - update / hbm_bytes_per_s
-            - layer_call_s * (spec.layers + 1))
+    attn = attention(spec, rows * seq, seq)
+    rest = (measured - (model_flops(spec, rows * seq, seq) - attn) / matmul_flops
+            - attn / (attention_rate or matmul_flops) - update / hbm_bytes_per_s - layer_call_s * (spec.layers + 1))
     acts = activation_bytes_per_step(spec, Layout(micro_batch=rows), rows, seq, precision="fp32")
     return max(0.0, rest) / acts
 
@@ -223,7 +250,8 @@ def calibrate(world: int = 2) -> dict:
     reference layer's matmuls), ``step_flops_alone`` (a reference training step in one process) and
     ``step_flops`` (the same on all ``world`` ranks at once: how much ranks sharing cores slow each other),
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
-    ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``collective_sync_s``
+    ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
+    the reference layer's causal attention, forward and backward), ``collective_sync_s``
     (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
     layer's fixed cost per micro-batch)."""
     from tessera.planner.comm_model import Link, all_reduce_s
@@ -231,6 +259,7 @@ def calibrate(world: int = 2) -> dict:
 
     start = time.perf_counter()
     peak = layer_matmul_flops()
+    attn = attention_rate()
     alone = training_step_flops(*REFERENCE)
     calls = layer_call_seconds()
     alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
@@ -239,7 +268,8 @@ def calibrate(world: int = 2) -> dict:
     return {"peak_flops": peak, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
-            "elementwise_s_per_byte": elementwise_seconds_per_byte(alone, peak, hbm, calls), "layer_call_s": calls,
+            "elementwise_s_per_byte": elementwise_seconds_per_byte(alone, peak, hbm, calls, attn),
+            "layer_call_s": calls, "attention_rate": attn,
             "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
             "seconds_taken": time.perf_counter() - start}

@@ -46,6 +46,10 @@ class GpuSpec:
     # fixed cost of one layer's forward and backward on one micro-batch, whatever its size (kernel
     # dispatch, autograd bookkeeping); 0 where launches overlap execution (GPUs)
     layer_call_s: float = 0.0
+    # FLOP/s of attention's score and value matmuls (causal SDPA, forward and backward); 0: at peak_flops.
+    # On CPU they run at about 60% of the layer matmuls' rate, and their share of a step grows with the
+    # sequence, so a model calibrated on one sequence length must charge them apart
+    attention_flops: float = 0.0
 
 
 GPUS: dict[str, GpuSpec] = {

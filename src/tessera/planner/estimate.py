@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
-from tessera.planner.flops import bubble_fraction, model_flops, recompute_flops
+from tessera.planner.flops import attention_flops, bubble_fraction, model_flops, recompute_flops
 from tessera.planner.memory import (DISK_STAGING_BYTES, activation_bytes_per_layer, embedding_bytes,
                                     llama_activation_bytes_per_layer, logits_bytes, model_state_bytes,
                                     offload_kind, stage_inflight)
@@ -193,13 +193,14 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
               optimizer: str = "adam") -> tuple[dict, float]:
     """(seconds by part, total seconds) of one optimizer step.
 
-    Compute: matmul FLOPs at peak × efficiency, plus the non-matmul kernels at ``elementwise_s_per_byte``
-    per byte of activations saved and ``layer_call_s`` per layer and micro-batch (both 0 for catalogue
-    GPUs, where the efficiency covers them; calibrated on CPU, where norms, SwiGLU, softmax and residual
-    adds take a third of a step, a TP rank still runs the replicated ones in full, and every rank pays
-    each kernel's dispatch however few tokens or how narrow a slice it computes). Every blocking
-    collective on the critical path costs its α–β time plus ``collective_sync_s`` (the exposed start-up
-    of a collective issued between compute segments)."""
+    Compute: matmul FLOPs at peak × efficiency (attention's score and value matmuls at ``attention_flops``
+    where calibrated), plus the non-matmul kernels at ``elementwise_s_per_byte`` per byte of activations
+    saved and ``layer_call_s`` per layer and micro-batch (both 0 for catalogue GPUs, where the efficiency
+    covers them; calibrated on CPU, where norms, SwiGLU, softmax and residual adds take a third of a step,
+    a TP rank still runs the replicated ones in full, and every rank pays each kernel's dispatch however
+    few tokens or how narrow a slice it computes). Every blocking collective on the critical path costs
+    its α–β time plus ``collective_sync_s`` (the exposed start-up of a collective issued between compute
+    segments)."""
     elem = ELEM_BYTES[precision]
     links = cm.axis_links(gpu, layout)
     sync = gpu.collective_sync_s
@@ -213,7 +214,9 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
                                                                                  precision)
     calls = rerun * gpu.layer_call_s * m * (layers_here + 1)  # + 1: the embedding, or the head and loss
-    compute = (flops / layout.world / gpu.peak_flops + elementwise + calls) / gpu.compute_efficiency
+    attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
+    matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
+    compute = (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole

@@ -51,6 +51,12 @@ def model_flops(spec, tokens: float, seq: int) -> float:
                      + 12.0 * spec.layers * spec.hidden * seq)
 
 
+def attention_flops(spec, tokens: float, seq: int, recompute: str = "none") -> float:
+    """The part of :func:`model_flops` + :func:`recompute_flops` in attention's score and value matmuls:
+    12·l·h·s per token, 4·l·h·s more when a recomputation re-runs the forward."""
+    return tokens * (12.0 + (4.0 if recompute != "none" else 0.0)) * spec.layers * spec.hidden * seq
+
+
 def recompute_flops(spec, tokens: float, seq: int, recompute: str) -> float:
     """Extra FLOPs re-running forwards: full re-runs every layer's forward (a third of its training
     FLOPs); selective re-runs attention's scores and values only (4·l·h·s per token)."""

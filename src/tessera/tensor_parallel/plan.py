@@ -30,6 +30,7 @@ from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.errors import ConfigError
 from tessera.lora import has_adapter
+from tessera.models.layers import rms_normalize
 from tessera.tensor_parallel.adapters import frozen_names, refreeze
 from tessera.tensor_parallel.config import TensorParallelConfig
 from tessera.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -68,14 +69,14 @@ class SequenceParallelRMSNorm(nn.Module):
     """RMSNorm on a sequence slice [B, S/N, D]. Fwd: no communication. Bwd: all-reduce of the weight's
     gradient (each rank saw only its tokens), via ``copy_to`` on the weight. Same math as RMSNorm."""
 
+    rms_norm_kernel = "reference"  # as RMSNorm's: set after build by tessera.kernels.apply_kernels
+
     def __init__(self, weight: nn.Parameter, eps: float, group: CommGroup):
         super().__init__()
         self.weight, self.eps, self.group = weight, eps, group
 
     def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
-        x32 = x_BsD.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x_BsD) * comm.copy_to(self.weight, self.group)
+        return rms_normalize(x_BsD, self.eps, self.rms_norm_kernel) * comm.copy_to(self.weight, self.group)
 
 
 def _region_entry(group: CommGroup, sequence_parallel: bool):

@@ -41,6 +41,9 @@ class RegatherOnBackward:
     """Saved-tensor hooks for one forward of one region: ``full`` is the gathered tensor (contiguous),
     ``local`` the slice this rank holds (along ``dim``)."""
 
+    # Never traced: under kernels.compile dynamo would pin the storage address in a guard and recompile
+    # for every new activation.
+    @torch.compiler.disable
     def __init__(self, full: torch.Tensor, local: torch.Tensor, group: CommGroup, dim: int):
         self.key = full.untyped_storage().data_ptr()
         self.local, self.group, self.dim = local.detach(), group, dim

@@ -15,6 +15,7 @@
     [moe] [tensor_parallel] [context_parallel] [pipeline]   options of those strategies
     [lora]       low-rank adapters: rank (0 = off), alpha, dropout, target linear layers; the rest frozen
     [profile]    torch.profiler traces of chosen steps (tessera.observe.profile)
+    [kernels]    implementations of hot operations: fused/foreach AdamW, F.rms_norm, SDPA GQA, torch.compile
 
 Defaults (these dataclasses'): the ``small`` preset on the standard-library corpus with data parallelism
 over the local ranks; ``tessera train`` given no layout at all runs the 3D demo instead (tessera.cli).
@@ -34,6 +35,8 @@ from tessera.composition import validate_composition
 from tessera.context_parallel.config import ContextParallelConfig
 from tessera.data_parallel.config import DDPConfig
 from tessera.errors import ConfigError
+from tessera.kernels import KernelsConfig
+from tessera.kernels.apply import check_kernels
 from tessera.lora.config import LoRAConfig
 from tessera.models import ModelConfig, model_config
 from tessera.models.moe import MoEConfig, validate_moe
@@ -137,6 +140,7 @@ class JobConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     # "section.key" -> value for every key the user gave (TOML or override) that differs from its default;
     # filled by load_config (empty for a config built in code), read by settings.check_settings_take_effect
     explicit: dict = field(default_factory=dict)
@@ -148,7 +152,7 @@ SECTIONS = {
     "zero": ZeroConfig, "precision": PrecisionConfig, "checkpointing": RecomputeConfig,
     "ps": PSConfig, "moe": MoEConfig, "tensor_parallel": TensorParallelConfig,
     "context_parallel": ContextParallelConfig, "pipeline": PipelineConfig, "lora": LoRAConfig,
-    "profile": ProfileConfig,
+    "profile": ProfileConfig, "kernels": KernelsConfig,
 }
 # presets that are not a Transformer: their [model] keys are ignored and their own section configures them
 NON_TRANSFORMER_PRESETS = ("ctr",)  # ctr: the wide & deep CTR model of the parameter-server mode, see [ps]
@@ -263,6 +267,7 @@ def check_lora(cfg: JobConfig, parallel: ParallelConfig) -> None:
 def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
     """Shape checks of tensor, context, pipeline and expert parallelism (``parallel`` is resolved)."""
     validate_composition(cfg, parallel)
+    check_kernels(cfg, parallel)  # a [kernels] choice the layout has no operation for
     m, tp = cfg.model, parallel.tp
     cfg.tensor_parallel.validate(tp, m, cfg.data.seq_len)
     cfg.context_parallel.check_shapes(parallel.cp, cfg.data.seq_len, m.n_heads // tp, m.n_kv_heads // tp,

@@ -45,14 +45,24 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def optimizer_factory(cfg: OptimConfig):
-    """``make(param_groups) -> AdamW``: how a sharded engine builds the optimizer over its master shards."""
-    return lambda groups: torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+def adamw_flags(adamw: str) -> dict:
+    """torch.optim.AdamW's implementation arguments for ``[kernels] adamw``: "auto" passes none (torch picks:
+    the for-loop on CPU, foreach on CUDA), the others force theirs. Same update, different rounding."""
+    return {"auto": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[adamw]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def optimizer_factory(cfg: OptimConfig, adamw: str = "auto"):
+    """``make(param_groups) -> AdamW``: how a sharded engine builds the optimizer over its master shards;
+    ``adamw`` is ``[kernels] adamw`` (``adamw_flags``)."""
+    flags = adamw_flags(adamw)
+    return lambda groups: torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                            **flags)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, adamw: str = "auto") -> torch.optim.AdamW:
     """AdamW over ``model``'s trainable parameters; weight decay on tensors of 2 or more dims."""
-    return optimizer_factory(cfg)(param_groups(model, cfg))
+    return optimizer_factory(cfg, adamw)(param_groups(model, cfg))
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -55,7 +55,8 @@ def stage_preparer(topology, settings, loss_weight: Callable[[], float] | None =
     def prepare(stage: nn.Module) -> nn.Module:
         parallelize_model_side(stage, topology, tensor_parallel=getattr(settings, "tensor_parallel", None),
                                context_parallel=getattr(settings, "context_parallel", None),
-                               recompute=getattr(settings, "checkpointing", None))
+                               recompute=getattr(settings, "checkpointing", None),
+                               kernels=getattr(settings, "kernels", None))
         materialize_unless_sharded(stage, topology, device)
         split = sequence_split(topology, settings)
         if split > 1 and stage.tok_embeddings is None:

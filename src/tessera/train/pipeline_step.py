@@ -81,8 +81,9 @@ class PipelineStep:
 
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
                  optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None, precision=None,
-                 context_parallel=None, checkpointing=None, model_config=None, moe=None):
+                 context_parallel=None, checkpointing=None, model_config=None, moe=None, kernels=None):
         self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
+        self.adamw = kernels.adamw if kernels is not None else "auto"  # [kernels] adamw of every optimizer
         self.topology = topology
         self.precision = precision or PrecisionConfig()
         self.pp: CommGroup = topology.group("pp")
@@ -102,7 +103,8 @@ class PipelineStep:
         self._loss_scale = 1.0  # forward_backward's loss scale (the in-schedule updates divide it out)
         settings = SimpleNamespace(tensor_parallel=tensor_parallel, context_parallel=context_parallel,
                                    checkpointing=checkpointing, precision=self.precision,
-                                   model=model_config if model_config is not None else model.cfg, moe=moe)
+                                   model=model_config if model_config is not None else model.cfg, moe=moe,
+                                   kernels=kernels)
         prepare = stage_preparer(topology, settings, self.loss_weight, self.device)
         self.pipe: Pipeline = build_pipeline(model, cfg, self.pp, self._loss_fn, self.device, self.timeline,
                                              on_step=self._on_step if self.steps_inside else None,
@@ -134,7 +136,7 @@ class PipelineStep:
         self.engine = self.reducer = None
         ep = self.topology.size("ep") > 1
         if engine_holds_optimizer(self.topology.config, self.precision):
-            groups, make = param_groups(self.module, self.optim_cfg), optimizer_factory(self.optim_cfg)
+            groups, make = param_groups(self.module, self.optim_cfg), optimizer_factory(self.optim_cfg, self.adamw)
             axes, stage = norm_axes(self.topology, pipeline=True), self.topology.config.zero_stage
             if ep:
                 self.engine = expert_zero(self.module, self.topology, groups, make, stage, zero, axes, self._axes_of,
@@ -145,7 +147,7 @@ class PipelineStep:
                                           param_axes=self._axes_of, manual=True)
             self.optimizer = self.engine.optimizer
             return
-        self.optimizer = build_optimizer(self.module, self.optim_cfg)
+        self.optimizer = build_optimizer(self.module, self.optim_cfg, self.adamw)
         if ep:  # the experts are split already (the stage preparer); this picks dp(×cp) and edp(×cp)
             self.reducer = expert_parallelize(self.module, self.topology, ddp, manual=True)
         elif self.dp.size > 1:

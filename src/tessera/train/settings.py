@@ -151,6 +151,11 @@ SCOPES: tuple[Scope, ...] = (
     Scope(_keys("checkpointing.every"), lambda c, p: c.checkpointing.mode != "none",
           "with activation checkpointing (checkpointing.mode full or selective)",
           lambda c, p: "checkpointing.mode='none'"),
+    Scope(_keys("kernels.compile_backend"), lambda c, p: c.kernels.compile, "with kernels.compile=true",
+          lambda c, p: "kernels.compile=false"),
+    Scope(_keys("kernels.gqa"), lambda c, p: c.model.n_kv_heads < c.model.n_heads,
+          "to grouped-query attention (model.n_kv_heads < model.n_heads)",
+          lambda c, p: f"model.n_kv_heads={c.model.n_kv_heads} equals model.n_heads={c.model.n_heads}"),
 )
 
 

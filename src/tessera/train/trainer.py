@@ -93,29 +93,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # the same random streams (dropout) on every rank
         self.core = meta_model(cfg)  # each rank allocates only what it holds, in parallelize / the pipeline
         self.n_params, self.n_trainable = parameter_counts(self.core)  # before ZeRO-3 / tp / ep shard them
-        self.engine = self.pipe = None
-        self.zero_cfg = with_offload_folder(cfg.zero, cfg)  # disk offload: "" becomes <run.out_dir>/offload
-        if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
-            from tessera.train.pipeline_step import PipelineStep
-
-            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
-                                     tensor_parallel=cfg.tensor_parallel, zero=self.zero_cfg, ddp=cfg.ddp,
-                                     precision=cfg.precision, context_parallel=cfg.context_parallel,
-                                     checkpointing=cfg.checkpointing, model_config=cfg.model,
-                                     moe=cfg.moe)  # the model-side strategies per stage; dp: ddp or ZeRO
-            self.core = self.model = self.pipe.module
-            self.engine = self.pipe.engine  # ZeRO / master weights: stepped like any sharded engine
-            self.optimizer = self.pipe.optimizer
-        else:
-            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=self.zero_cfg, precision=cfg.precision,
-                                     recompute=cfg.checkpointing,
-                                     param_groups=lambda m: param_groups(m, cfg.optim),  # after tp
-                                     make_optimizer=optimizer_factory(cfg.optim),
-                                     tensor_parallel=cfg.tensor_parallel, context_parallel=cfg.context_parallel,
-                                     device=device)
-            # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
-            self.engine = self.model if is_sharded(self.model) else None
-            self.optimizer = self.engine.optimizer if self.engine else build_optimizer(self.core, cfg.optim)
+        self._assemble(cfg, device)  # self.model / engine / pipe / optimizer
         check_materialized(self.model)  # every strategy allocated what it claimed on the meta model
         self.tokens_group = tokens_group(self.topology, self.core)  # ranks holding different tokens: dp × cp (× nd)
         self.loss_fn = loss_function(self.topology, self.core)
@@ -138,11 +116,40 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.is_main else None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
-        self.start_step, self.start_interval, self.val_start = 0, Interval(), None
+        self.profiler = StepProfiler(cfg.profile, self.run_dir, self.topology.rank, self.device)
+        self.start_step, self.val_start, self.interval, self.comm_mark = 0, None, Interval(), self.ledger.stats()
         self.resumed: dict = {"resumed_from_step": None, "steps_lost": 0, "restart_count": resume.restart_count()}
         found = resume.find_resume(cfg.checkpoint.resume, self.checkpoint_folder)
         if found is not None:
             self._resume(found)
+
+    def _assemble(self, cfg: JobConfig, device: torch.device) -> None:
+        """Every strategy around the meta model: the pipeline (which owns its stages' optimizer), or
+        ``parallelize`` (tp, cp, ep, DDP / ZeRO, precision, recompute, kernels) and the optimizer."""
+        self.engine = self.pipe = None
+        self.zero_cfg = with_offload_folder(cfg.zero, cfg)  # disk offload: "" becomes <run.out_dir>/offload
+        if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
+            from tessera.train.pipeline_step import PipelineStep
+
+            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
+                                     tensor_parallel=cfg.tensor_parallel, zero=self.zero_cfg, ddp=cfg.ddp,
+                                     precision=cfg.precision, context_parallel=cfg.context_parallel,
+                                     checkpointing=cfg.checkpointing, model_config=cfg.model,
+                                     moe=cfg.moe, kernels=cfg.kernels)  # per stage; dp: ddp or ZeRO
+            self.core = self.model = self.pipe.module
+            self.engine = self.pipe.engine  # ZeRO / master weights: stepped like any sharded engine
+            self.optimizer = self.pipe.optimizer
+        else:
+            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=self.zero_cfg, precision=cfg.precision,
+                                     recompute=cfg.checkpointing,
+                                     param_groups=lambda m: param_groups(m, cfg.optim),  # after tp
+                                     make_optimizer=optimizer_factory(cfg.optim, cfg.kernels.adamw),
+                                     tensor_parallel=cfg.tensor_parallel, context_parallel=cfg.context_parallel,
+                                     device=device, kernels=cfg.kernels)
+            # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
+            self.engine = self.model if is_sharded(self.model) else None
+            self.optimizer = (self.engine.optimizer if self.engine
+                              else build_optimizer(self.core, cfg.optim, cfg.kernels.adamw))
 
     @functools.cached_property
     def model_flops(self) -> ModelFlops:
@@ -171,7 +178,7 @@ class Trainer:
         meta = load_training_state(path, self.core, self.optimizer, self.engine, self.topology)
         step = int(meta["step"])
         self.start_step, self.val_start = step, meta.get("val_loss_start")
-        self.start_interval = Interval(**meta.get("interval", {}))
+        self.interval = Interval(**meta.get("interval", {}))
         self.sampler.load_state_dict(meta["sampler"])
         for key, value in meta.get("loss_scaler", {}).items():
             setattr(self.scaler, key, value)
@@ -194,42 +201,45 @@ class Trainer:
         start = time.perf_counter()
         resumed = self.start_step and self.val_start is not None
         val_start = self.val_start if resumed else self._validate(self.start_step)
-        interval, comm_mark = self.start_interval, self.ledger.stats()
+        self.comm_mark = self.ledger.stats()  # the first validation's all-reduces are not the interval's
         bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step",
                    disable=not (self.is_main and self.cfg.run.progress), dynamic_ncols=True)
         val_end, last_loss = val_start, float("nan")
-        profiler = StepProfiler(self.cfg.profile, self.run_dir, self.topology.rank, self.device)
         for step in range(self.start_step + 1, cfg.steps + 1):
-            log_now = step % cfg.log_every == 0 or step == cfg.steps
-            with profiler.step(step):  # a chosen step's trace is written after it, outside its timer
-                result, grad_norm, seconds = self._train_step(track=log_now)
-            add_split(interval.time_split, self.timer.take())
-            if grad_norm is None:
-                interval.skipped_at.append(step)
-                self._log_skip(step)
-            interval.steps += 1
-            interval.loss += result.loss
-            interval.tokens += result.tokens
-            interval.seconds += seconds
-            interval.grad_norm = grad_norm if grad_norm is not None else interval.grad_norm
+            result, seconds = self.step_once(step)
             last_loss = result.loss
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens / seconds:,.0f}")
-            if log_now:
-                self._log_train(step, interval, self.ledger.since(comm_mark))
-                interval, comm_mark = Interval(), self.ledger.stats()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 val_end = self._validate(step)
             if self.is_main:
                 resume.write_progress(self.run_dir, step)
-            every = self.cfg.checkpoint.every
-            if every and step % every == 0 and step < cfg.steps:
-                self._save_checkpoint(step, interval, val_start)
+            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < cfg.steps:
+                self._save_checkpoint(step, self.interval, val_start)
         bar.close()
         checkpoint = (self._save_checkpoint(cfg.steps, Interval(), val_start)
                       if self.cfg.checkpoint.save_final else None)
         self.timeline = self.pipe.write_timeline(self.run_dir) if self.pipe and self.cfg.pipeline.timeline else {}
         return self._finish(val_start, val_end, last_loss, time.perf_counter() - start, checkpoint)
+
+    def step_once(self, step: int):
+        """Step ``step`` of ``fit``'s loop less validation, progress and checkpoints: the (profiled) step, the
+        metrics interval (``self.interval``, ``self.comm_mark``) and its line when due. (StepResult, seconds)."""
+        log_now = step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+        with self.profiler.step(step):  # a chosen step's trace is written after it, outside its timer
+            result, grad_norm, seconds = self._train_step(track=log_now)
+        add_split((interval := self.interval).time_split, self.timer.take())
+        if grad_norm is None:
+            self._log_skip(step, interval)
+        interval.steps += 1
+        interval.loss += result.loss
+        interval.tokens += result.tokens
+        interval.seconds += seconds
+        interval.grad_norm = grad_norm if grad_norm is not None else interval.grad_norm
+        if log_now:
+            self._log_train(step, interval, self.ledger.since(self.comm_mark))
+            self.interval, self.comm_mark = Interval(), self.ledger.stats()
+        return result, seconds
 
     def _train_step(self, track: bool):
         """One optimizer step; when ``track``, also measure saved activations and take a memory snapshot
@@ -313,9 +323,10 @@ class Trainer:
             finite = unscale_(grads, inv_scale, [self.world], self.device)
         return self.scaler.update(finite)
 
-    def _log_skip(self, step: int) -> None:
+    def _log_skip(self, step: int, interval: Interval) -> None:
         """A skipped step is never silent: a line on rank 0 now, and ``skipped_at`` / ``skipped_steps``
         in the next metrics.jsonl train record."""
+        interval.skipped_at.append(step)
         if self.is_main:
             tqdm.write(f"step {step}: inf/nan gradients, optimizer step skipped; "
                        f"loss scale now {self.scaler.scale:g}", file=sys.stderr)

@@ -18,7 +18,7 @@ from torch import nn
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.models.init import assign
-from tessera.models.layers import apply_rope, repeat_kv
+from tessera.models.layers import apply_rope, causal_sdpa
 from tessera.tensor_parallel.linear import mark_sharded
 from tessera.tensor_parallel.nd.cube import Linear3D
 from tessera.tensor_parallel.nd.grid import Grid2D, Grid3D
@@ -133,6 +133,8 @@ class MLPND(nn.Module):
 class AttentionND(nn.Module):
     """Causal GQA attention: projections are ND layers; the core runs locally on H/q heads."""
 
+    gqa_kernel = "repeat"  # set after build by tessera.kernels.apply_kernels (models.layers.causal_sdpa)
+
     def __init__(self, attn: nn.Module, layout: Layout):
         super().__init__()
         q = layout.q
@@ -147,10 +149,8 @@ class AttentionND(nn.Module):
         q_BSHE = apply_rope(self.wq(x_BSd).view(b, s, -1, self.head_dim), cos, sin)
         k_BSKE = apply_rope(self.wk(x_BSd).view(b, s, -1, self.head_dim), cos, sin)
         v_BSKE = self.wv(x_BSd).view(b, s, -1, self.head_dim)
-        rep = self.n_heads // self.n_kv_heads
-        y_BHSE = F.scaled_dot_product_attention(q_BSHE.transpose(1, 2), repeat_kv(k_BSKE, rep).transpose(1, 2),
-                                                repeat_kv(v_BSKE, rep).transpose(1, 2), is_causal=True)
-        return self.wo(y_BHSE.transpose(1, 2).reshape(b, s, -1))
+        y_BSHE = causal_sdpa(q_BSHE, k_BSKE, v_BSKE, self.gqa_kernel)
+        return self.wo(y_BSHE.reshape(b, s, -1))
 
 
 class TransformerBlockND(nn.Module):

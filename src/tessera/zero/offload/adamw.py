@@ -10,9 +10,11 @@ so at most three chunks of state are mapped in (read ahead, updating, writing ba
 3 chunks × 3 tensors × 4 B × chunk elements plus the update's two temporaries of one chunk each, whatever
 the model's size. The master gradients [n] stay in RAM (the engine unscales and clips them in place).
 
-The update of a chunk is torch's own single-tensor AdamW (``torch.optim.adam.adam`` with decoupled weight
-decay) on the chunk's views. It is elementwise, so the chunks give bit for bit what one call on the whole
-tensors gives — what ``torch.optim.AdamW`` computes for a CPU parameter. The step counter is per master,
+The update of a chunk is torch's own AdamW (``torch.optim.adam.adam`` with decoupled weight decay) on the
+chunk's views, in the template's implementation (single-tensor by default; foreach or fused when the
+template was built with them: ``[kernels] adamw``). It is elementwise, so the chunks give bit for bit what
+one call on the whole tensors gives — what ``torch.optim.AdamW`` with those flags computes for a CPU
+parameter. The step counter is per master,
 as torch keeps it: each chunk counts from the same value, and the master's counter advances once.
 """
 
@@ -67,9 +69,9 @@ class StreamedAdamW(torch.optim.AdamW):
     def __init__(self, template: torch.optim.Optimizer):
         if not isinstance(template, torch.optim.Adam):  # AdamW is an Adam
             raise TypeError(f"disk offload streams Adam/AdamW state only, not {type(template).__name__}")
-        for flag in ("fused", "capturable", "differentiable"):
+        for flag in ("capturable", "differentiable"):  # graph capture / autograd through the step: not streamed
             if any(g.get(flag) for g in template.param_groups):
-                raise ValueError(f"disk offload runs torch's single-tensor AdamW; {flag}=True is not supported")
+                raise ValueError(f"disk offload streams the step chunk by chunk; {flag}=True is not supported")
         torch.optim.Optimizer.__init__(self, [dict(g) for g in template.param_groups], dict(template.defaults))
         self.bytes_read = self.bytes_written = 0
 
@@ -136,12 +138,14 @@ class StreamedAdamW(torch.optim.AdamW):
             self.bytes_written += (b - a) * t.element_size()
 
     def _update(self, group: dict, p: torch.Tensor, a: int, b: int) -> None:
-        """torch's single-tensor AdamW on chunk [a, b) of ``p``; the compute-dtype mirror takes the values."""
+        """torch's AdamW (the group's foreach / fused choice) on chunk [a, b) of ``p``; the compute-dtype
+        mirror takes the values."""
         state, amsgrad = self.state[p], group["amsgrad"]
         step = state["step"].clone()  # adam() advances it; every chunk of p starts from the same count
         master = p.detach()[a:b]
         adam([master], [p.grad[a:b]], [state["exp_avg"][a:b]], [state["exp_avg_sq"][a:b]],
-             [state["max_exp_avg_sq"][a:b]] if amsgrad else [], [step], foreach=False, fused=False,
+             [state["max_exp_avg_sq"][a:b]] if amsgrad else [], [step], foreach=bool(group.get("foreach")),
+             fused=bool(group.get("fused")),
              capturable=False, differentiable=False, has_complex=False,
              decoupled_weight_decay=group.get("decoupled_weight_decay", True), amsgrad=amsgrad,
              beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
