@@ -232,6 +232,16 @@ def _axis_bytes(comm: dict, axis: str) -> float:
     return total
 
 
+def _pool(pools: dict, ranks: int) -> RankPool:
+    """The pool of ``ranks`` ranks, started on first use; a pool of another size is closed first, so one set of
+    rank processes lives at a time (their memory grows with the shapes they ran)."""
+    for size in [k for k in pools if k != ranks]:
+        pools.pop(size).close()
+    if ranks not in pools:
+        pools[ranks] = RankPool(ranks)
+    return pools[ranks]
+
+
 def _measure(pools: dict, kind: str, shape: str, steps: int) -> list[dict]:
     ranks, make, own_preset, overrides = CONFIGS[kind][:4]
     preset, fields, rows, seq = SHAPES[shape]
@@ -239,14 +249,12 @@ def _measure(pools: dict, kind: str, shape: str, steps: int) -> list[dict]:
         args = dict(kind=kind, preset=preset, fields=fields, rows=rows, seq=seq, steps=steps)
         if ranks == 1:
             return [measure(0, 1, **args)]
-        pools.setdefault(ranks, RankPool(ranks))
-        return pools[ranks].run(measure, **args, timeout=600)
+        return _pool(pools, ranks).run(measure, **args, timeout=600)
     dp = make(ranks, rows).dp
     job = [f"model.preset={own_preset or preset}", *(f"model.{k}={v}" for k, v in fields.items()),
            f"data.seq_len={seq}", f"data.global_batch_size={rows * dp}", f"data.micro_batch_size={rows}",
            "parallel.dp_replicate=1", *overrides]
-    pools.setdefault(ranks, RankPool(ranks))
-    return pools[ranks].run(measure_trainer, overrides=job, steps=steps, timeout=600)
+    return _pool(pools, ranks).run(measure_trainer, overrides=job, steps=steps, timeout=600)
 
 
 def _row(kind: str, shape: str, got: list[dict], pred: dict) -> dict:
