@@ -48,7 +48,7 @@ DOC = DOCS / "PLANNER.md"
 PUBLISHED = [
     ("GPT-3 175B on 1,024 A100 80GB", "gpt3-175b", "a100-80gb", 1024, 1536,
      Layout(dp=8, tp=8, pp=16, micro_batch=1, recompute="full", schedule="interleaved", virtual_stages=2),
-     140e12, "hardware", "Narayanan et al. 2021, Table 1 (t=8, p=16, batch 1536, 140 TFLOP/s per GPU)"),
+     140e12, "hardware", "Narayanan et al. 2021, section 5.1 (batch 1536, 140 TFLOP/s per GPU; t=8, p=16 assumed)"),
     ("Llama 3 70B on 512 H100", "llama3-70b", "h100", 512, 512, None, None, None,
      "no published run of this size; see the 405B row"),
     ("Llama 3 405B on 8,192 H100 (published layout)", "llama3-405b", "h100", 8192, 2048,

@@ -333,11 +333,11 @@ def write_doc(rows: list[str], args, params: int, note: str) -> None:
         "model is built (libraries already imported) through 2 steps, each variant alone in a freshly "
         "started process per rank (largest rank; includes allocator and library overheads).",
         "",
-        "The zero1 ↔ ds1 memory ratio compares two definitions of stage 1: tessera's ZeRO-1 keeps the full "
-        "gradient buffer (its reduced slice is a view into it), as the ZeRO paper's P_os does, while "
-        "DeepSpeed's stage 1 (with its default contiguous_gradients) copies each reduced gradient of its "
-        "partition into a partition-sized buffer and leaves the rest only in its reused reduce bucket, as "
-        "its stage 2 does.",
+        "Stage 1 on both sides reduces the gradients once per step and then keeps only the rank's reduced "
+        "slice: tessera's ZeRO-1 adds each bucket's reduced slice into a partition-sized gradient and frees "
+        "the full buffers at the end of the backward; DeepSpeed's stage 1 (default contiguous_gradients) "
+        "copies the reduced gradients of its partition into a partition-sized buffer and keeps the rest only "
+        "in its reused reduce bucket.",
         "",
         "Target: tessera ÷ DeepSpeed ≤ 1.00 at the same ZeRO stage, and on the ZeRO-3 rows tessera ÷ FSDP2 "
         "≤ 1.00, each at equal or lower model-state bytes.",

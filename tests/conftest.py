@@ -39,3 +39,20 @@ def corpus_cache(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("corpus_cache"))
     load_corpus(DataConfig(cache_dir=path))
     return path
+
+
+@pytest.fixture
+def deepspeed_cpu(monkeypatch):
+    """DeepSpeed imported on its CPU accelerator, the variable set for this test only.
+
+    DeepSpeed reads ``DS_ACCELERATOR`` once, when ``deepspeed.accelerator.get_accelerator()`` first runs
+    (``import deepspeed`` runs it), and keeps the accelerator in a module global; only that function reads
+    the variable. So the first test that asks for this fixture fixes the choice for the session, later ones
+    find it made, and monkeypatch removes the variable after each test: it never leaks into tests (or the
+    ranks they spawn) that do not ask for DeepSpeed. Skips where DeepSpeed is not installed."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator()  # made now, while the variable is set
+    return deepspeed

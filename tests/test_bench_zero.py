@@ -76,7 +76,7 @@ def test_doc_block_states_provenance_target_and_every_column(tmp_path, monkeypat
     assert block.startswith("Command: `python benchmarks/zero.py --ranks 2`; commit ")
     assert ("Target: tessera ÷ DeepSpeed ≤ 1.00 at the same ZeRO stage, and on the ZeRO-3 rows tessera ÷ FSDP2 "
             "≤ 1.00, each at equal or lower model-state bytes.") in block
-    assert "÷ FSDP2 is given for the ZeRO-3 rows only" in block and "P_os" in block
+    assert "÷ FSDP2 is given for the ZeRO-3 rows only" in block and "reduced slice" in block  # stage 1 on both sides
     assert "| ranks | variant | step (s) | ÷ DeepSpeed | ÷ FSDP2 | ÷ DDP |" in block and "NOTE." in block
     assert all(row in block for row in rows)
 

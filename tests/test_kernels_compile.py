@@ -59,8 +59,8 @@ def compiled_run(rank, world_size, args):
     trainer = Trainer(load_config(None, args), torch.device("cpu"))
     graphs, train_step = [], trainer._train_step
 
-    def counted(track):
-        out = train_step(track)
+    def counted(track, **kwargs):
+        out = train_step(track, **kwargs)
         graphs.append(counters["stats"]["unique_graphs"])
         return out
 

@@ -115,3 +115,17 @@ def test_unscale_agrees_on_finiteness_across_ranks(rank_pool):
     assert [r["finite"] for r in results] == [False, False]  # rank 1's inf, seen by rank 0 too
     assert [r["clean"] for r in results] == [True, True]
     assert all(r["first"] == [2.0, 2.0, 2.0] for r in results)  # divided by the scale in place
+
+
+@pytest.mark.parametrize("schedule", ["deepspeed-warmup", "cosine"])
+def test_a_skipped_step_holds_deepspeed_schedules_only(tmp_path, corpus_cache, schedule):
+    """DeepSpeed's engine does not step its scheduler at a step skipped for overflow: under the
+    ``deepspeed-*`` schedules tessera's lr waits too; its own schedules are a function of the step."""
+    args = tiny_args(tmp_path, corpus_cache, steps=6, extra=[
+        "--model.n_layers=2", "--checkpoint.save_final=false", "--precision.loss_scale=1024",
+        "--train.log_every=1", f"--optim.schedule={schedule}", "--optim.warmup_steps=6", f"--run.name={schedule}"])
+    result = overflow_worker(0, 1, args, bad_rank=0, bad_call=2 * 4 + 1)  # step 3's first micro-batch
+    assert result["summary"]["skipped_steps"] == 1
+    lr = {r["step"]: r["lr"] for r in train_lines(tmp_path / schedule)}  # the lr after each step
+    held = lr[3] == lr[2]
+    assert held == (schedule == "deepspeed-warmup") and lr[4] != lr[3]

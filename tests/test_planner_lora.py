@@ -20,6 +20,7 @@ from tessera.models import Transformer, model_config
 from tessera.planner import Layout, estimate, from_model_config, get_gpu, get_model
 from tessera.planner.estimate import comm_bytes, stage_memory
 from tessera.planner.flops import model_flops
+from tessera.planner.gpu_kernels import stage_time
 from tessera.planner.machine import usable_per_rank
 from tessera.train.config import load_config, validate_config
 from tessera.train.dry_run import planner_layout
@@ -109,9 +110,17 @@ def test_the_time_model_reduces_and_updates_the_adapters_only():
     assert model_flops(lora, tokens, seq) == pytest.approx(
         tokens * (4 * full.matmul_params_per_token() + 6 * n_adapt + attention))
     layout = Layout(dp=8, zero_stage=1, micro_batch=1)
-    a, b = estimate(full, layout, gpu, 64, 512), estimate(lora, layout, gpu, 64, 512)
+    flat = get_gpu("h100", hbm_efficiency=0.0, attention_flops=0.0)  # every FLOP at one rate
     ratio = model_flops(lora, tokens, seq) / model_flops(full, tokens, seq)
+    a, b = estimate(full, layout, flat, 64, 512), estimate(lora, layout, flat, 64, 512)
     assert b.time_s["compute"] / a.time_s["compute"] == pytest.approx(ratio) and ratio < 0.7
+    # the GPU kernel model: the matmuls shrink as their FLOPs (4 per frozen weight, 6 per adapter weight);
+    # attention and the non-matmul kernels are the same work with or without adapters
+    ma, mb = (stage_time(s, layout, gpu, 512, 2) for s in (full, lora))
+    matmul_ratio = (4 * full.matmul_params_per_token() + 6 * n_adapt) / (6 * full.matmul_params_per_token())
+    assert mb.matmul / ma.matmul == pytest.approx(matmul_ratio, rel=1e-6)
+    assert (mb.attention, mb.elementwise) == (ma.attention, ma.elementwise)
+    a, b = estimate(full, layout, gpu, 64, 512), estimate(lora, layout, gpu, 64, 512)
     assert b.time_s["optimizer"] == pytest.approx(a.time_s["optimizer"] * n_adapt / n_all)  # adapters' states only
     assert b.time_s["dp_exposed"] < a.time_s["dp_exposed"] / 100  # no frozen gradient reduced or gathered
 

@@ -20,9 +20,11 @@ def test_alpha_beta_ring_formulas_and_link_tiers():
     assert cm.all_reduce_s(8e9, 1, link) == 0.0
     gpu = get_gpu("h100")
     links = cm.axis_links(gpu, Layout(dp=4, tp=8, pp=2))
-    assert links["tp"].bytes_per_s == gpu.intra_bytes_per_s  # tp peers share a node
-    assert links["dp"].bytes_per_s == gpu.inter_bytes_per_s  # dp peers are 8 ranks apart
-    assert cm.axis_links(gpu, Layout(dp=4, tp=2))["dp"].bytes_per_s == gpu.intra_bytes_per_s
+    nccl = gpu.nccl_efficiency  # the bus bandwidth NCCL reaches of each link
+    assert 0 < nccl < 1
+    assert links["tp"].bytes_per_s == gpu.intra_bytes_per_s * nccl  # tp peers share a node
+    assert links["dp"].bytes_per_s == gpu.inter_bytes_per_s * nccl  # dp peers are 8 ranks apart
+    assert cm.axis_links(gpu, Layout(dp=4, tp=2))["dp"].bytes_per_s == gpu.intra_bytes_per_s * nccl
 
 
 def test_calibration_fit_recovers_alpha_and_beta():

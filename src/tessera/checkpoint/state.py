@@ -3,9 +3,9 @@
 Names (single-process, see :mod:`tessera.checkpoint.placement`)::
 
     model/<param>                  the parameter (fp32 master values when the run keeps masters)
-    optim/<param>/exp_avg          AdamW state, the parameter's global shape
-    optim/<param>/exp_avg_sq
-    optim/<param>/step             0-d
+    optim/<param>/exp_avg          AdamW / Adam state, the parameter's global shape
+    optim/<param>/exp_avg_sq       (SGD with momentum: momentum_buffer; Adagrad: sum)
+    optim/<param>/step             0-d (none for SGD)
 
 Where the values live:
 
@@ -49,11 +49,21 @@ from tessera.zero.offload import StreamedAdamW, on_disk, refresh_mirror
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state an Adam/AdamW first step would (zeros, step 0) for every parameter that has none,
-    so a checkpoint can be loaded into it in place. Taking a step from it gives the same result as from a
-    fresh optimizer."""
+    """Create the state a first step would (zeros, step 0) for every parameter that has none, so a
+    checkpoint can be loaded into it in place: Adam/AdamW (step, exp_avg, exp_avg_sq), SGD with momentum
+    (momentum_buffer; dampening 0, so 0·momentum + grad is torch's first-step copy of the gradient) and
+    Adagrad (which creates its step and sum when built). Taking a step from it gives the same result as
+    from a fresh optimizer."""
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            for p in group["params"] if group["momentum"] else ():  # plain SGD keeps no state
+                if not optimizer.state[p]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-        raise TypeError(f"checkpoint pieces know Adam/AdamW state only, not {type(optimizer).__name__}")
+        raise TypeError(f"checkpoint pieces know Adam/AdamW, SGD and Adagrad state, not {type(optimizer).__name__}")
     if isinstance(optimizer, StreamedAdamW):  # disk offload: the state of file-backed masters in files too
         optimizer.ensure_state()
         return

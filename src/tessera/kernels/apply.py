@@ -5,9 +5,10 @@
   attention), set by :func:`apply_kernels` on the built model, after tensor and context parallelism have
   replaced their modules and before ``torch.compile`` traces them. They are not ``[model]`` keys: those
   describe the architecture (and export to Hugging Face); these only choose how it is computed.
-- ``adamw`` reaches ``torch.optim.AdamW`` through ``tessera.train.optim.optimizer_factory``, the one place
-  every optimizer is built (plain, DDP, the ZeRO engines, pipeline stages, expert engines; disk offload's
-  streamed AdamW keeps the template's choice per chunk).
+- ``adamw`` reaches the optimizer class of ``optim.name`` through ``tessera.train.optim.optimizer_factory``,
+  the one place every optimizer is built (plain, DDP, the ZeRO engines, pipeline stages, expert engines; disk
+  offload's streamed AdamW keeps the template's choice per chunk). torch's AdamW, Adam, SGD and Adagrad all
+  have a foreach and a fused implementation on CPU and CUDA, so every choice acts with every optimizer.
 """
 
 from __future__ import annotations

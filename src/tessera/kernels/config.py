@@ -2,7 +2,8 @@
 mathematics; the defaults are the ones every parity test was measured with, the others are faster on some
 devices (fused AdamW and compiled blocks on a GPU above all) and round differently.
 
-    adamw           "auto" (torch's own choice: for-loop on CPU), "for-loop", "foreach", "fused"
+    adamw           "auto" (torch's own choice: for-loop on CPU), "for-loop", "foreach", "fused": the
+                    implementation of the optimizer step, whichever ``optim.name`` (AdamW, Adam, SGD, Adagrad)
     rms_norm        "reference" (tessera's fp32 formula) or "torch" (``F.rms_norm``)
     gqa             "repeat" (k/v heads repeated by hand before SDPA) or "sdpa" (SDPA's ``enable_gqa``)
     compile         false, or true: ``torch.compile`` of every transformer block

@@ -17,6 +17,7 @@ from torch import nn
 from tessera.models.config import ModelConfig, model_config
 from tessera.models.init import InitSpec, init_parameter
 from tessera.models.layers import RMSNorm, TransformerBlock, precompute_rope
+from tessera.models.moe import key_positions
 
 # Linear layers whose output is added straight onto the residual stream (GPT-2 scaling).
 _RESIDUAL_PROJECTIONS = ("wo", "w2")
@@ -115,6 +116,8 @@ class Transformer(nn.Module):
                 f"Sequence length {last} exceeds the model's max_seq_len "
                 f"{self.cfg.max_seq_len}; shorten the batch or raise max_seq_len."
             )
+        if self.training and self.cfg.num_experts:  # the routers' noise is keyed by absolute position
+            key_positions(self, positions)
         if self.tok_embeddings is not None:
             h_BSD = self.emb_dropout(self.tok_embeddings(tokens))
         else:

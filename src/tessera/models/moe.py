@@ -10,7 +10,9 @@ k = top_k):
   largest score; ties go to the LOWER expert index (a stable sort), so routing is deterministic.
   Gates are the chosen probabilities, renormalised to sum to 1 when k > 1 (``normalize_top_k``).
   Training-only noise: "jitter" multiplies the input by U(1-eps, 1+eps); "rsample" adds Gumbel noise
-  to the scores (not to p), so the k experts are drawn from p without replacement.
+  to the scores (not to p), so the k experts are drawn from p without replacement. The numbers are a
+  function of the token (run seed, layer, row, position: :mod:`tessera.models.moe_tokens`), so every
+  layout draws the same ones for the same token.
 - Capacity per expert ``C = min(T, max(min_capacity, ceil(capacity_factor · k · T / E)))``. Slots
   are filled choice-major (every token's first choice before any second choice, GShard), in token
   order within a choice. An assignment past C is dropped: its expert output is zero, so the token
@@ -27,12 +29,15 @@ k = top_k):
   group's choices in token order (b·S + s), so capacity and slots are the one-device ones. Each device
   then keeps its own tokens' rows and adds its SHARE of aux and z (its tokens' part of the means over
   T), so the shares sum to the group's values, with no collective in autograd.
+- Padding (a row's tail of uncounted targets) is not a token of the group: it takes no slot and no part
+  in T, aux, z or the counters (:mod:`tessera.models.moe_tokens`).
 
 Legend: T tokens, D model dim, E experts, K top-k, N dispatched rows, F expert hidden dim.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -42,6 +47,8 @@ from torch import nn
 
 from tessera.errors import ConfigError
 from tessera.models.feed_forward import FeedForward
+from tessera.models.moe_tokens import TokenKey, layer_index, route_padding_nowhere, token_uniform
+from tessera.models.moe_stats import MoEStats, format_stats  # noqa: F401 (format_stats: re-exported)
 
 NOISY_GATE_POLICIES = ("none", "jitter", "rsample")
 
@@ -117,11 +124,17 @@ class Routing:
     kept_E: torch.Tensor  # long: assignments each expert computes
     routed_E: torch.Tensor  # long: assignments routed to each expert, before capacity dropping
     capacity: int  # slots per expert (T·k when drop_tokens is off)
-    tokens: int  # tokens in the whole routing group
+    tokens: int  # real tokens in the whole routing group
+    valid_T: torch.Tensor | None = None  # bool: real tokens (False: padding, routed nowhere); None: all
+
+    @property
+    def dropped_TK(self) -> torch.Tensor:
+        """bool: real assignments dropped for capacity."""
+        return ~self.keep_TK if self.valid_T is None else ~self.keep_TK & self.valid_T[:, None]
 
     @property
     def dropped(self) -> int:
-        return int((~self.keep_TK).sum())
+        return int(self.dropped_TK.sum())
 
 
 class Router(nn.Module):
@@ -136,23 +149,35 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.gate = nn.Linear(dim, num_experts, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, batch: int = 1) -> Routing:
-        """Route ``x_TD``: the T tokens of ``batch`` sequences, sequence-major ([B, S, D] flattened)."""
+    def forward(self, x_TD: torch.Tensor, batch: int = 1, key: TokenKey | None = None,
+                counted_T: torch.Tensor | None = None) -> Routing:
+        """Route ``x_TD``: the T tokens of ``batch`` sequences, sequence-major ([B, S, D] flattened).
+        ``key`` names the tokens for the training noise (None: torch's random state draws it).
+        ``counted_T`` (bool [T]: the token's target counts; None: all do) marks padding, a row's tail of
+        uncounted targets (``moe_tokens.real_tokens``): it chooses no expert, so it takes no slot and has no part in
+        the capacity, aux, z or counters, as if the group held only its real tokens."""
         cfg, n_exp, k = self.cfg, self.num_experts, self.cfg.top_k
         if self.training and cfg.noisy_gate_policy == "jitter":  # Switch: multiplicative input noise
-            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
+            u_TD = _uniform(key, batch, x_TD.shape, x_TD.device)
+            x_TD = x_TD * (1 - cfg.jitter_eps + 2 * cfg.jitter_eps * u_TD).to(x_TD.dtype)
         logits_TE = self.gate(x_TD).float()
         probs_TE = logits_TE.softmax(dim=-1)
         scores_TE = logits_TE.detach()
         if self.training and cfg.noisy_gate_policy == "rsample":  # Gumbel noise on the choice only
-            scores_TE = scores_TE - torch.empty_like(scores_TE).exponential_().log()
+            scores_TE = scores_TE - (-_uniform(key, batch, scores_TE.shape, scores_TE.device).log()).log()
         # stable descending sort: equal scores keep index order, so ties go to the lower expert
         expert_TK = torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[:, :k]
         gate_TK = probs_TE.gather(1, expert_TK)
         if k > 1 and cfg.normalize_top_k:
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
+        if counted_T is not None:  # uncounted targets ride along with the choices, shifted by n_exp + 1
+            expert_TK = expert_TK + (n_exp + 1) * counted_T.logical_not().long()[:, None]
         group_GK, mine_T = self.group_choices(expert_TK, batch)  # G = tokens in the routing group
-        tokens = group_GK.shape[0]
+        valid_T = None
+        if counted_T is not None:  # padding is a tail of the WHOLE row: decided over the group
+            group_GK, real_G = route_padding_nowhere(group_GK, batch, n_exp)
+            expert_TK, valid_T = (group_GK, real_G) if mine_T is None else (group_GK[mine_T], real_G[mine_T])
+        tokens = group_GK.shape[0] if valid_T is None else int(real_G.sum())
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = (expert_capacity(tokens, n_exp, k, factor, cfg.min_capacity) if cfg.drop_tokens
                     else tokens * k)
@@ -160,11 +185,17 @@ class Router(nn.Module):
         keep_TK = keep_GK if mine_T is None else keep_GK[mine_T]
         share = x_TD.shape[0] / max(tokens, 1)  # this device's part of the group's means (1.0: all of it)
         f_E = routed_group_E.float() / max(tokens * k, 1)
-        aux = n_exp * (f_E * probs_TE.mean(0)).sum() * share
-        z = torch.logsumexp(logits_TE, dim=-1).pow(2).mean() * share
+        p_E, z2_T = probs_TE.mean(0), torch.logsumexp(logits_TE, dim=-1).pow(2)
+        z2 = z2_T.mean()
+        if valid_T is not None:  # means over this device's real tokens only
+            mine = valid_T.sum().clamp(min=1)
+            p_E, z2 = (probs_TE * valid_T[:, None]).sum(0) / mine, (z2_T * valid_T).sum() / mine
+            share = mine / max(tokens, 1)
+        aux = n_exp * (f_E * p_E).sum() * share
+        z = z2 * share
         kept_E = _count(expert_TK[keep_TK], n_exp)
         routed_E = routed_group_E if mine_T is None else _count(expert_TK, n_exp)
-        return Routing(expert_TK, gate_TK, keep_TK, aux, z, kept_E, routed_E, capacity, tokens)
+        return Routing(expert_TK, gate_TK, keep_TK, aux, z, kept_E, routed_E, capacity, tokens, valid_T)
 
     def group_choices(self, expert_TK: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the routing group's choices [G, K] in token order, the rows of this device's T tokens in it).
@@ -173,20 +204,30 @@ class Router(nn.Module):
         return expert_TK, None
 
 
+def _uniform(key: TokenKey | None, batch: int, shape: torch.Size, device) -> torch.Tensor:
+    """[T, W] float32 uniform in (0, 1): a function of each token when keyed, else from torch's state."""
+    if key is None:
+        return torch.rand(shape, device=device).clamp_(min=2**-24)  # clamp: log(0) would be -inf
+    return token_uniform(key, batch, shape[0], shape[1], device)
+
+
 def _count(expert: torch.Tensor, n_exp: int) -> torch.Tensor:
-    """Assignments per expert [E] (long) among the expert indices ``expert`` (any shape)."""
+    """Assignments per expert [E] (long) among the expert indices ``expert`` (any shape; padding's n_exp
+    is not counted)."""
     flat = expert.reshape(-1)
-    return torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(n_exp + 1, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))[:n_exp]
 
 
 def _fill_slots(expert_TK: torch.Tensor, n_exp: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keep_TK, routed_E): choice-major, token-order slot filling; routed_E counts before dropping."""
+    """(keep_TK, routed_E): choice-major, token-order slot filling; routed_E counts before dropping.
+    Padding's choice n_exp (no expert) is never kept nor counted."""
     keep = torch.empty_like(expert_TK, dtype=torch.bool)
     filled_E = torch.zeros(n_exp, dtype=torch.long, device=expert_TK.device)
     for j in range(expert_TK.shape[1]):
-        onehot_TE = F.one_hot(expert_TK[:, j], n_exp)
+        onehot_TE = F.one_hot(expert_TK[:, j], n_exp + 1)[:, :n_exp]
         slot_T = ((onehot_TE.cumsum(0) - 1 + filled_E) * onehot_TE).sum(1)  # 0-based slot in its expert
-        keep[:, j] = slot_T < capacity
+        keep[:, j] = (slot_T < capacity) & expert_TK[:, j].lt(n_exp)
         filled_E = filled_E + onehot_TE.sum(0)
     return keep, filled_E
 
@@ -227,14 +268,22 @@ class MoEFeedForward(nn.Module):
 
     Submodule names are a contract with expert parallelism: ``router``, ``experts`` (ModuleList),
     ``residual_mlp`` + ``residual_coef`` (use_residual), ``shared_experts`` (num_shared_experts > 0).
+    ``token_key``: the current micro-batch's :class:`TokenKey` (:func:`key_tokens`), for the router's noise;
+    ``counted_BS``: which of its targets count (:func:`mark_padding`); padding is routed nowhere.
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, cfg: MoEConfig):
+    # class defaults: expert-parallel copies built without __init__ have them too
+    token_key: TokenKey | None = None
+    counted_BS: torch.Tensor | None = None
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, cfg: MoEConfig, expert=None):
+        """``expert``: None (SwiGLU experts of ``hidden`` units), or a user's expert (:func:`expert_copies`)."""
         super().__init__()
         self.cfg = cfg.validate()
         self.num_experts = num_experts
         self.router = Router(dim, num_experts, cfg)
-        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(num_experts))
+        self.experts = (nn.ModuleList(FeedForward(dim, hidden) for _ in range(num_experts)) if expert is None
+                        else expert_copies(expert, num_experts))
         if cfg.use_residual:  # DeepSpeed residual MoE: out = c0·moe(x) + c1·mlp(x), c = softmax(Wx)
             self.residual_mlp = FeedForward(dim, hidden)
             self.residual_coef = nn.Linear(dim, 2, bias=False)
@@ -245,7 +294,9 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD, batch=x_BSD.shape[0] if x_BSD.dim() == 3 else 1)
+        counted_T = None if self.counted_BS is None else self.counted_BS.reshape(-1).to(x_TD.device)
+        routing = self.router(x_TD, batch=x_BSD.shape[0] if x_BSD.dim() == 3 else 1, key=self.token_key,
+                              counted_T=counted_T)
         y_TD = self.run_experts(x_TD, routing)
         self._account(routing)
         if self.cfg.use_residual:
@@ -273,47 +324,55 @@ class MoEFeedForward(nn.Module):
             self.stats.add(routing)
 
 
-@dataclass
-class MoEStats:
-    """Per-layer routing counters accumulated over forwards until read (float64 so sums stay exact).
+def expert_copies(expert, num_experts: int) -> nn.ModuleList:
+    """``num_experts`` experts from a user's expert, any module mapping [T, D] to [T, D] (as DeepSpeed's
+    ``MoE(hidden_size, expert=...)``): an ``nn.Module`` is deep-copied, so every expert starts from its
+    values (DeepSpeed's rule); a factory (a callable that is not a module) is called once per expert, in
+    expert order, so each draws its own initial values from torch's random state (seed it first)."""
+    if isinstance(expert, nn.Module):
+        return nn.ModuleList(copy.deepcopy(expert) for _ in range(num_experts))
+    if not callable(expert):
+        raise ConfigError(f"an expert must be an nn.Module or a callable returning one, got {type(expert).__name__}")
+    made = [expert() for _ in range(num_experts)]
+    if not all(isinstance(m, nn.Module) for m in made):
+        raise ConfigError("the expert factory must return an nn.Module each time it is called")
+    return nn.ModuleList(made)
 
-    They live on the device the routing ran on and are added to there, so a forward never waits for the
-    device (no ``.item()`` / ``.cpu()``); the host reads them once per step, after the metrics all-reduce.
-    Every counter is this device's share (its tokens; its share of aux·T and z·T), so summing them over
-    every rank that holds different tokens gives the job's counts.
-    """
 
-    values: torch.Tensor  # [2E + 5]: kept per expert, routed per expert, dropped, assignments, tokens, aux·T, z·T
-
-    @classmethod
-    def zeros(cls, n_exp: int) -> MoEStats:
-        # on the CPU even inside a meta-device build (not a parameter: nothing would materialise it); the
-        # first forward moves it to its device (``on``)
-        return cls(torch.zeros(2 * n_exp + 5, dtype=torch.float64, device="cpu"))
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        """The counters, moved to ``device`` first if they are elsewhere (once: the first forward there)."""
-        if self.values.device != device:
-            self.values = self.values.to(device)
-        return self.values
-
-    def add(self, routing: Routing) -> None:
-        values, n_exp = self.on(routing.kept_E.device), routing.kept_E.numel()
-        values[:n_exp].add_(routing.kept_E)
-        values[n_exp : 2 * n_exp].add_(routing.routed_E)
-        values[2 * n_exp].add_((~routing.keep_TK).sum())
-        values[2 * n_exp + 1].add_(routing.expert_TK.numel())  # Python ints: kernel arguments, no copy
-        values[2 * n_exp + 2].add_(routing.expert_TK.shape[0])
-        values[2 * n_exp + 3].add_(routing.aux_loss.detach().double() * routing.tokens)
-        values[2 * n_exp + 4].add_(routing.z_loss.detach().double() * routing.tokens)
-
-    def reset(self) -> None:
-        self.values.zero_()
+def use_experts(model: nn.Module, expert) -> nn.Module:
+    """Give every MoE layer of ``model`` (e.g. a built ``Transformer``) the user's experts, in layer order
+    (:func:`expert_copies`); in place, before any strategy (expert parallelism then shards them as it
+    shards the SwiGLU ones: each ep rank keeps its E/ep). Returns ``model``."""
+    for layer in moe_layers(model):
+        layer.experts = expert_copies(expert, layer.num_experts)
+    return model
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     """Every MoE feed-forward in ``model`` (any wrapper around it is fine), in module order."""
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def key_tokens(model: nn.Module, seed: int | None, first_row: int = 0) -> None:
+    """Name the next micro-batch's tokens for every MoE layer's training noise: its rows are the run's
+    samples ``first_row``, ``first_row + 1``, … (``seed`` None: forget the key, use torch's random state).
+    ``Transformer.forward`` adds the positions (:func:`key_positions`)."""
+    for i, (name, layer) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)):
+        layer.token_key = None if seed is None else TokenKey(seed, layer_index(name, i), first_row)
+
+
+def mark_padding(model: nn.Module, counted_BS: torch.Tensor | None) -> None:
+    """Tell every MoE layer which targets [B, S] of the next micro-batches count (None: all do), so its
+    router leaves the padding (``moe_tokens.real_tokens``) out."""
+    for layer in moe_layers(model):
+        layer.counted_BS = counted_BS
+
+
+def key_positions(model: nn.Module, positions_L: torch.Tensor | None) -> None:
+    """The absolute positions [L] of the tokens of every row (None: 0..L-1) for keyed MoE layers."""
+    for layer in moe_layers(model):
+        if layer.token_key is not None:
+            layer.token_key.positions_L = positions_L
 
 
 def moe_loss_sum(model: nn.Module) -> torch.Tensor | float:
@@ -329,20 +388,6 @@ def moe_loss_sum(model: nn.Module) -> torch.Tensor | float:
             total = total + layer.pending_loss
             layer.pending_loss = None
     return total
-
-
-def format_stats(values_LX: torch.Tensor, n_exp: int) -> dict:
-    """Metrics from summed counters [layers, 2E + 5] (see MoEStats): plain floats and lists."""
-    kept_LE, routed_LE = values_LX[:, :n_exp], values_LX[:, n_exp : 2 * n_exp]
-    dropped, assigned, tokens, aux_t, z_t = values_LX[:, 2 * n_exp :].unbind(1)
-    load_LE = routed_LE / assigned.clamp(min=1).unsqueeze(1) * n_exp  # 1.0 = perfectly balanced
-    return {
-        "moe_tokens_per_expert": kept_LE.sum(0).tolist(),  # computed assignments, summed over MoE layers
-        "moe_load_per_layer": load_LE.tolist(),  # routed (pre-capacity) load / uniform share, per layer
-        "moe_dropped_frac": float(dropped.sum() / assigned.sum().clamp(min=1)),
-        "moe_aux_loss": float((aux_t / tokens.clamp(min=1)).mean()),
-        "moe_z_loss": float((z_t / tokens.clamp(min=1)).mean()),
-    }
 
 
 def collect_local_stats(model: nn.Module) -> torch.Tensor | None:

@@ -12,10 +12,13 @@ One process drives several devices (here several CPU "devices", which may all be
 
 ``variable_device`` places the variables elsewhere (TensorFlow's CentralStorageStrategy: variables on
 the host, compute replicated on the devices, gradients aggregated on the host). No process group.
+``ddp.mode = "dataparallel"`` / ``"central-storage"`` (``tessera.train.dp_modes.single_process``) is this
+wrapper in the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,6 +38,10 @@ class DataParallel(nn.Module):
         state = dict(self.module.named_parameters())
         state.update(dict(self.module.named_buffers()))
         return {n: t.to(device) for n, t in state.items()}
+
+    def no_sync(self):
+        """The wrapped module's (a master-weight engine's: reduce once per step), or nothing to hold back."""
+        return self.module.no_sync() if hasattr(self.module, "no_sync") else contextlib.nullcontext()
 
     def forward(self, x_B: torch.Tensor) -> torch.Tensor:
         chunks = x_B.tensor_split(len(self.devices))  # [B/n, ...] per device (first ones 1 larger)

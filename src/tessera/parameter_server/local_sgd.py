@@ -5,7 +5,8 @@ optimizer step the replicas' parameters are averaged with one all-reduce (2·(N-
 so communication drops by a factor ``every``. With ``every = 1`` and plain SGD it equals synchronous
 data parallelism (averaging the parameters after one SGD step = stepping with the averaged gradient).
 Optimizer state is not averaged (each rank keeps its own moments, as in Lin et al. 2020).
-Forward and backward communicate nothing.
+Forward and backward communicate nothing. ``ddp.mode = "local-sgd"`` (``tessera.train.dp_modes.local_sgd``)
+is this mechanism in the trainer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tessera.errors import ConfigError
 
 
 class LocalSGD:
-    def __init__(self, model: nn.Module, group: CommGroup, every: int):
+    def __init__(self, model: nn.Module | list[torch.Tensor], group: CommGroup, every: int):
         if every < 1:
             raise ConfigError(f"local SGD must average every at least 1 step, got {every}")
         self.model, self.group, self.every = model, group, every
@@ -31,7 +32,7 @@ class LocalSGD:
         self.steps += 1
         if self.steps % self.every:
             return False
-        params = [p for p in self.model.parameters()]
+        params = list(self.model.parameters()) if isinstance(self.model, nn.Module) else list(self.model)
         flat_P = torch.cat([p.detach().reshape(-1) for p in params])
         comm.all_reduce(flat_P, self.group, op="avg")
         offset = 0

@@ -17,9 +17,7 @@ decides when a push is applied and when a pull may proceed:
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch
 from tessera.errors import ConfigError
 from tessera.models.ctr import SPARSE_TABLES
 from tessera.parameter_server.config import PSConfig
+from tessera.parameter_server.consistency import StalenessClock
 from tessera.parameter_server.errors import PSError
 from tessera.parameter_server.row_optim import RowOptimizer
 
@@ -70,12 +69,10 @@ class ParameterServer:
                 self.tables[name] = init_state[name].detach().reshape(1, -1).clone()
         self.opts = {n: RowOptimizer(cfg.optimizer, t, cfg.lr, dense=n not in SPARSE_TABLES)
                      for n, t in self.tables.items()}
-        self.cond = threading.Condition()
-        self.clock = [0] * self.W  # steps each worker has pushed
-        self.version = 0  # updates applied on this server
+        # worker clocks, version, staleness histogram and the SSP gate: shared with the transformer's servers
+        self.sync = StalenessClock(self.name, self.W, cfg.staleness if cfg.mode == "ssp" else None, cfg.timeout)
+        self.cond = self.sync.cond
         self.pending: dict[int, dict] = {}  # bsp: worker -> its push for the current step
-        self.staleness = collections.Counter()  # staleness of every applied update -> count
-        self.max_gap = 0  # ssp: the largest (step - slowest worker's clock) a pull proceeded with
         self.saved_step = -1
         if cfg.resume:
             self.load(cfg.resume)
@@ -85,62 +82,52 @@ class ParameterServer:
     def pull(self, worker: int, step: int, request: dict[str, torch.Tensor]):
         """``request`` table -> local row ids; returns (table -> rows [U, C], this server's version)."""
         with self.cond:
-            if self.cfg.mode == "ssp":
-                self._wait(lambda: step - min(self.clock) <= self.cfg.staleness,
-                           f"worker {worker} waited for the slowest worker to finish step "
-                           f"{step - self.cfg.staleness - 1}")
-            self.max_gap = max(self.max_gap, step - min(self.clock))
-            return {n: self.tables[n][ids].clone() for n, ids in request.items()}, self.version
+            self.sync.gate(worker, step)
+            return {n: self.tables[n][ids].clone() for n, ids in request.items()}, self.sync.version
 
     def push(self, worker: int, step: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
              read_version: int) -> None:
         """``grads`` table -> (local row ids [U], gradient rows [U, C]) computed on ``read_version``."""
         with self.cond:
             if self.cfg.mode != "bsp":
-                self.staleness[self.version - read_version] += 1
+                self.sync.record(read_version)
                 self._apply([grads])
                 self._tick(worker, step)
                 return
             self.pending[worker] = grads
             self._tick(worker, step, notify=False)
             if len(self.pending) == self.W:
-                self.staleness[0] += self.W
+                self.sync.staleness[0] += self.W
                 self._apply([self.pending[w] for w in sorted(self.pending)])
                 self.pending.clear()
                 self.cond.notify_all()
                 self._maybe_save()
             else:
-                self._wait(lambda: self.version > read_version,
+                self.sync.wait(lambda: self.sync.version > read_version,
                            f"worker {worker} waited for every worker's push of step {step}")
 
     def start_step(self) -> int:
-        return min(self.clock)
+        return min(self.sync.clock)
 
     def final_state(self, steps: int):
         """After every worker pushed ``steps`` steps: (tables, staleness histogram, max gap, version)."""
         with self.cond:
-            self._wait(lambda: min(self.clock) >= steps, f"every worker to finish step {steps - 1}")
+            self.sync.wait(lambda: min(self.sync.clock) >= steps, f"every worker to finish step {steps - 1}")
             if self.ckpt_dir and self.saved_step != steps:
                 self.save(self.ckpt_dir, steps)
-            return ({n: t.clone() for n, t in self.tables.items()}, dict(self.staleness), self.max_gap,
-                    self.version)
+            return ({n: t.clone() for n, t in self.tables.items()}, dict(self.sync.staleness), self.sync.max_gap,
+                    self.sync.version)
 
     # ---- internals ---------------------------------------------------------------------------------
 
-    def _wait(self, ready, what: str) -> None:
-        if not self.cond.wait_for(ready, timeout=self.cfg.timeout):
-            raise PSError(f"parameter server {self.name} gave up after {self.cfg.timeout:g} s waiting for {what} "
-                          f"(worker clocks {self.clock}): a worker died or hung")
-
     def _tick(self, worker: int, step: int, notify: bool = True) -> None:
-        self.clock[worker] = step + 1
+        self.sync.tick(worker, step, notify)
         if notify:
-            self.cond.notify_all()
             self._maybe_save()
 
     def _apply(self, pushes: list[dict]) -> None:
         """Sum the pushes' gradients per row (in the given order) and apply them once."""
-        self.version += 1
+        self.sync.version += 1
         for name, opt in self.opts.items():
             parts = [p[name] for p in pushes if name in p]
             if not parts:
@@ -153,7 +140,7 @@ class ParameterServer:
 
     def _maybe_save(self) -> None:
         """Save when the slowest worker reaches a multiple of ``save_every`` (and, if a folder is set, at the end)."""
-        step = min(self.clock)
+        step = min(self.sync.clock)
         every = self.cfg.save_every
         if self.ckpt_dir and step != self.saved_step and every and step % every == 0:
             self.save(self.ckpt_dir, step)
@@ -162,7 +149,7 @@ class ParameterServer:
         """``<folder>/step_<step>/<name>.pt``: one folder per step, so servers that died mid-save never mix."""
         path = Path(folder) / f"step_{step:07d}"
         path.mkdir(parents=True, exist_ok=True)
-        state = {"servers": self.S, "step": step, "version": self.version, "tables": self.tables,
+        state = {"servers": self.S, "step": step, "version": self.sync.version, "tables": self.tables,
                  "opts": {n: o.state_dict() for n, o in self.opts.items()}}
         tmp = path / f"{self.name}.pt.tmp"
         torch.save(state, tmp)
@@ -175,8 +162,8 @@ class ParameterServer:
         for n, t in self.tables.items():
             t.copy_(state["tables"][n])
             self.opts[n].load_state_dict(state["opts"][n])
-        self.version = int(state["version"])
-        self.clock = [int(state["step"])] * self.W
+        self.sync.version = int(state["version"])
+        self.sync.clock = [int(state["step"])] * self.W
         self.saved_step = int(state["step"])
 
 

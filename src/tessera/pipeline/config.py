@@ -21,10 +21,14 @@ class PipelineConfig:
     recompute: bool = False  # re-run each stage's forward in its backward (GPipe re-materialisation)
     vertical_sync: bool = False  # pipedream: every stage uses the weight version of stage 0 at the F
     timeline: bool = True  # record each action's start/end (Chrome trace + PNG Gantt in the run folder)
+    flush: bool = True  # pipedream / 2bw: false keeps the pipeline full across optimizer steps (no drain)
 
-    def validate(self, pp: int = 1, n_layers: int | None = None, batch_size: int | None = None) -> PipelineConfig:
+    def validate(self, pp: int = 1, n_layers: int | None = None, batch_size: int | None = None,
+                 routing_losses: bool = False, dynamic_loss_scale: bool = False) -> PipelineConfig:
         """Raise ConfigError (one sentence) for settings that cannot run; pass the pp degree, the model's
-        layer count and the per-rank batch size when known."""
+        layer count and the per-rank batch size when known, and whether stages add routing (MoE auxiliary)
+        losses under a dynamic loss scale (both matter to ``flush = false``)."""
+        self._validate_flush(pp, routing_losses and dynamic_loss_scale)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"pipeline.schedule '{self.schedule}' is unknown; use one of {', '.join(SCHEDULES)}.")
         if self.partition not in PARTITION_METHODS:
@@ -49,3 +53,17 @@ class PipelineConfig:
         if batch_size is not None and pp > 1 and batch_size % m:  # pp = 1: no pipeline, no split
             raise ConfigError(f"pipeline.microbatches={m} does not divide the batch size {batch_size}.")
         return self
+
+    def _validate_flush(self, pp: int, scaled_routing: bool) -> None:
+        if self.flush:
+            return
+        if self.schedule not in ("pipedream", "2bw"):
+            raise ConfigError(f"pipeline.flush = false applies only to the weight-stashing schedules 'pipedream' "
+                              f"and '2bw' (schedule '{self.schedule}' must drain to update all stages at once).")
+        if pp > 1 and self.microbatches < pp:
+            raise ConfigError(f"pipeline.flush = false needs at least as many micro-batches as stages "
+                              f"(microbatches={self.microbatches} < pp={pp}), as PipeDream-2BW requires.")
+        if scaled_routing:
+            raise ConfigError("pipeline.flush = false cannot run MoE routing losses under a dynamic loss scale: "
+                              "a stage puts the scale into the routing loss at the forward, and the next step's "
+                              "first forwards run before this step's overflow check decides that step's scale.")

@@ -11,6 +11,11 @@ output activation_BSD to the next stage's rank, backward sends the gradient of t
 previous stage's rank. Sends are isend (waited at the end of the step); receives are irecv posted as soon
 as the action before the preceding compute starts, so transfers overlap compute. Once an activation's send
 has completed, its data is freed (only its autograd node is needed for the backward, as in Megatron).
+
+Without a flush (``flush=False``, pipedream / 2bw) ``step(micro, lookahead)`` also runs the next step's first
+forwards (``lookahead``: that step's micro-batches) and keeps their state — stage inputs, outputs, their
+weight versions and unfinished sends — for the next call, which then starts in the steady state; a call
+without ``lookahead`` ends with the cool-down (the pipeline is drained: validation, checkpoints, the end).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tessera import comm
 from tessera.comm.group import CommGroup
-from tessera.pipeline.schedules import COMPUTE, Action, Schedule
+from tessera.pipeline.schedules import COMPUTE, Action, Schedule, continuing_schedule
 from tessera.pipeline.split_backward import WeightGradStore, split_linears
 from tessera.pipeline.weight_versions import WeightVersions
 from tessera.timeline import Timeline
@@ -59,7 +64,8 @@ class PipelineExecutor:
                  activation_shape: Callable[[Any], Sequence[int]], activation_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, timeline: Timeline | None = None, recompute: bool = False,
                  on_step: Callable[[], None] | None = None, free_sent: bool = True,
-                 vertical_sync: bool = False):
+                 vertical_sync: bool = False, flush: bool = True,
+                 before_compute: Callable[[str, int, int, Any], None] | None = None):
         if sorted(stages) != schedule.stages_of(pp.rank):
             raise ValueError(f"rank {pp.rank} holds stages {sorted(stages)} but the schedule puts "
                              f"{schedule.stages_of(pp.rank)} on it")
@@ -68,6 +74,9 @@ class PipelineExecutor:
         self.device = torch.device(device) if device is not None else pp.device  # default: the pp group's
         self.timeline = timeline or Timeline(pp.rank, enabled=False)
         self.recompute, self.on_step, self.free_sent = recompute, on_step, free_sent
+        # before_compute(kind "F" or "B", stage, mb, (input, target)): tells a stage module about the
+        # micro-batch it is about to run (a B may recompute the forward); mb numbers m.. are the look-ahead's
+        self.before_compute = before_compute
         self.last = schedule.n_stages - 1
         self.stores = {s: WeightGradStore() for s in stages}
         # Asynchronous schedules run each micro-batch on a stashed weight version (weight_versions.py).
@@ -76,6 +85,17 @@ class PipelineExecutor:
         if schedule.split_backward:
             for s, module in stages.items():
                 split_linears(module, self.stores[s])
+        # no flush: the step's schedule by (pipeline empty at the start?, next step's batches given?)
+        self.variants = None if flush else {
+            (warm, look): continuing_schedule(schedule.name, schedule.pp, schedule.n_microbatches, warm, look)
+            for warm in (True, False) for look in (True, False)}
+        self._carried: _StepState | None = None  # in-flight micro-batches of the next step (no flush)
+        self.current: Action | None = None  # the compute action running (a stage's loss weight reads it)
+
+    @property
+    def drained(self) -> bool:
+        """No micro-batch is in flight (always, with a flush)."""
+        return self._carried is None
 
     def parameters(self):
         for module in self.stages.values():
@@ -83,22 +103,34 @@ class PipelineExecutor:
 
     # ---- the step ------------------------------------------------------------------------------------
 
-    def step(self, microbatches: list[tuple[Any, Any]]) -> StepOutput:
-        """Run this rank's actions for one batch of micro-batches; gradients accumulate in ``.grad``."""
-        if len(microbatches) != self.schedule.n_microbatches:
-            raise ValueError(f"schedule '{self.schedule.name}' expects {self.schedule.n_microbatches} "
-                             f"micro-batches, got {len(microbatches)}")
-        st = _StepState(micro=microbatches)
+    def step(self, microbatches: list[tuple[Any, Any]], lookahead: list[tuple[Any, Any]] | None = None
+             ) -> StepOutput:
+        """Run this rank's actions for one batch of micro-batches; gradients accumulate in ``.grad``.
+        ``lookahead`` (no flush only): the next step's micro-batches, whose first forwards run in this step's
+        cool-down slots; without it the pipeline drains. Only this step's micro-batches reach ``.grad``."""
+        m = self.schedule.n_microbatches
+        if len(microbatches) != m or (lookahead is not None and len(lookahead) != m):
+            raise ValueError(f"schedule '{self.schedule.name}' expects {m} micro-batches per step, got "
+                             f"{len(microbatches)}" + (f" and {len(lookahead)}" if lookahead is not None else ""))
+        if lookahead is not None and self.variants is None:
+            raise ValueError("a lookahead needs an executor without a flush (flush=False)")
+        schedule = self.schedule if self.variants is None else self.variants[(self.drained, lookahead is not None)]
+        st = self._carried or _StepState(micro=[])
+        st.micro, st.losses, st.posted, st.peak = list(microbatches) + list(lookahead or []), [], set(), 0
         if self.versions is not None:
-            self.versions.begin_step()
-        acts = self.schedule.actions[self.pp.rank]
+            self.versions.begin_step(schedule)
+        acts = schedule.actions[self.pp.rank]
         for i, a in enumerate(acts):
             if a.kind in COMPUTE:
                 self._prefetch(acts, i, st)
                 self._free_completed(st)
                 self._await_inputs(a, st)  # outside the compute span: waiting is bubble, not work
+                self.current = a
+                if self.before_compute is not None and a.kind in ("F", "B"):
+                    self.before_compute(a.kind, a.stage, a.mb, st.micro[a.mb])
                 with self.timeline.span(f"{a.kind}{a.stage}.{a.mb}", "compute"):
                     getattr(self, f"_{a.kind.lower()}")(a, st)
+                self.current = None
             elif a.kind in ("RECV_F", "RECV_B"):
                 self._post_recv(acts, i, st)
             elif a.kind == "SEND_F":
@@ -113,6 +145,12 @@ class PipelineExecutor:
                 if self.on_step is not None:
                     with self.timeline.span("STEP", "compute"):
                         self.on_step()
+        if lookahead is not None:  # sends to the next step's forwards complete when their peers receive them
+            self._carried = _carry(st, m)
+            if self.versions is not None:
+                self.versions.carry(m)
+            return StepOutput(st.losses, st.peak)
+        self._carried = None
         with self.timeline.span("wait sends", "comm"):
             for h, _, _ in st.sends:
                 h.wait()
@@ -210,6 +248,17 @@ class PipelineExecutor:
 
     def _w(self, a: Action, st: _StepState) -> None:
         self.stores[a.stage].flush(a.mb)
+
+
+def _carry(st: _StepState, m: int) -> _StepState:
+    """The state a step without a flush leaves to the next: its micro-batches m.. become the next step's 0..
+    (stage inputs and outputs of the in-flight forwards; every unfinished send, waited at a drain)."""
+    if st.grads_out or st.grads_in or st.recvs:
+        raise RuntimeError("a step ended with gradients or receives pending: the schedule is incomplete")
+    shift = lambda d: {(s, mb - m): v for (s, mb), v in d.items()}  # noqa: E731
+    sends = [[h, t, None if key is None else (key[0], key[1] - m)] for h, t, key in st.sends
+             if h is not None and not (h.is_completed() and key is None)]  # finished and freed: dropped
+    return _StepState(micro=[], inputs=shift(st.inputs), outputs=shift(st.outputs), sends=sends)
 
 
 def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:

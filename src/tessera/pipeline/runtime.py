@@ -54,8 +54,10 @@ class Pipeline:
             out.update({k: v for k, v in module.state_dict().items()})
         return out
 
-    def step(self, micro_batches: list[tuple[Any, Any]]) -> StepOutput:
-        result = self.executor.step(micro_batches)
+    def step(self, micro_batches: list[tuple[Any, Any]], lookahead: list[tuple[Any, Any]] | None = None
+             ) -> StepOutput:
+        """One step; ``lookahead`` (``flush = false``): the next step's micro-batches (PipelineExecutor.step)."""
+        result = self.executor.step(micro_batches, lookahead)
         if self.tied:
             self.sync_tied_grads()
         return result
@@ -85,11 +87,14 @@ class Pipeline:
         """Forward only (no weight versions, no gradients): the sum of ``loss_fn`` over the micro-batches,
         on every pp rank."""
         m = len(micro_batches)
+        if not self.executor.drained:  # its sends in flight would meet the evaluation's receives
+            raise RuntimeError("evaluate() needs a drained pipeline: run the last step without a lookahead")
         if m not in self._eval:
             ex = self.executor
             self._eval[m] = PipelineExecutor(ex.stages, forward_only(self.pp.size, m, self.schedule.n_stages
                                                                      // self.pp.size), self.pp, ex.loss_fn,
-                                             ex.activation_shape, ex.dtype, ex.device)
+                                             ex.activation_shape, ex.dtype, ex.device,
+                                             before_compute=ex.before_compute)
         return self.loss(self._eval[m].step(micro_batches))
 
     def loss(self, result: StepOutput) -> torch.Tensor:
@@ -137,7 +142,8 @@ def build_pipeline(model: nn.Module, cfg: PipelineConfig, pp: CommGroup,
 
     dtype = activation_dtype or next(model.parameters()).dtype
     executor = PipelineExecutor(stages, schedule, pp, loss_fn, activation_shape, dtype, device, timeline,
-                                recompute=cfg.recompute, on_step=on_step, vertical_sync=cfg.vertical_sync)
+                                recompute=cfg.recompute, on_step=on_step, vertical_sync=cfg.vertical_sync,
+                                flush=cfg.flush)
     tied = bool(getattr(model.cfg, "tie_embeddings", False))
     return Pipeline(executor, partition, tied)
 

@@ -164,6 +164,47 @@ def _async_1f1b(pp: int, m: int) -> list[list[Action]]:
     return out
 
 
+def _continuing_1f1b(pp: int, m: int, warm: bool, lookahead: bool, steps: bool) -> list[list[Action]]:
+    """One optimizer step of 1F1B *without a flush* (PipeDream, 2BW as the papers run them): rank r keeps
+    w = pp-r-1 micro-batches in flight across the step boundary. Micro-batches 0..m-1 are this step's,
+    m..m+w-1 the next step's first w (the lookahead). ``warm``: the pipeline starts empty, so the step
+    opens with the warm-up forwards 0..w-1; otherwise those ran in the previous step. ``lookahead``: the
+    steady state goes on into the next step's forwards where a flush would drain; otherwise the step ends
+    with the cool-down. warm and not lookahead is exactly :func:`_one_f_one_b`. ``steps``: an optimizer
+    update (STEP) after every backward (PipeDream)."""
+    out = []
+    for r in range(pp):
+        w = pp - r - 1  # m >= pp (PipelineConfig.validate), so the lookahead stays within the next step
+        acts = [Action("F", r, i) for i in range(w)] if warm else []
+        for k in range(m):
+            if w + k < m or lookahead:
+                acts.append(Action("F", r, w + k))
+            acts.append(Action("B", r, k))
+            if steps:
+                acts.append(Action("STEP"))
+        out.append(acts)
+    return out
+
+
+def continuing_schedule(name: str, pp: int, m: int, warm: bool, lookahead: bool) -> Schedule:
+    """The schedule of one step of ``pipedream`` / ``2bw`` with ``pipeline.flush = false`` (see
+    :func:`_continuing_1f1b`); its micro-batch indices run to m + pp - 2 (the lookahead)."""
+    check_shape(name, pp, m, 1)
+    compute = _continuing_1f1b(pp, m, warm, lookahead, steps=name == "pipedream")
+    return Schedule(name, pp, pp, m, False, add_communication(compute, pp, pp))
+
+
+def concatenate(steps: list[Schedule]) -> Schedule:
+    """Consecutive steps of continuing schedules as one schedule over global micro-batch numbers (step t's
+    micro-batch i is t*m + i), for the checker: it proves the run deadlock-free and gives its timing."""
+    first = steps[0]
+    m, acts = first.n_microbatches, [[] for _ in range(first.pp)]
+    for t, sched in enumerate(steps):
+        for r, seq in enumerate(sched.actions):
+            acts[r] += [Action(a.kind, a.stage, a.mb + t * m if a.mb >= 0 else a.mb, a.peer) for a in seq]
+    return Schedule(first.name, first.pp, first.n_stages, m * len(steps), False, acts)
+
+
 def forward_only(pp: int, m: int, v: int = 1) -> Schedule:
     """Evaluation: every micro-batch's forward through all (virtual) stages, no backward."""
     n = pp * v

@@ -12,6 +12,13 @@ Version numbers count this rank's optimizer updates:
   the version stage 0 used for that micro-batch (Narayanan et al. 2019, §3.3).
 - ``2bw``: one update per batch (the trainer's optimizer step after ``step()``); batch t runs on version
   t-1 (the copy kept from before the last update), so two versions live at any time (Narayanan et al. 2021).
+
+Without a flush (``pipeline.flush = false``) a step's action list also runs the next step's first
+forwards (micro-batch numbers m.. of the call); :meth:`carry` renumbers those in-flight micro-batches when
+the next call begins, so their backward still finds the leaves (the version) their forward used. The rule
+is then the papers' over the whole stream of micro-batches: PipeDream's micro-batch g at stage s of S uses
+version max(0, g - (S-1-s)), the weights updated with micro-batches up to g - (S-s) (vertical sync: every
+stage max(0, g - (S-1))); 2BW's batch t uses version t-1 on every stage, its lookahead forwards included.
 """
 
 from __future__ import annotations
@@ -31,36 +38,58 @@ class WeightVersions:
         self.updates = 0  # optimizer updates of this rank so far (the live weights' version)
         self.snapshots: dict[int, dict[int, dict[str, torch.Tensor]]] = {s: {} for s in stages}
         self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.log: list[dict] = []  # (stage, mb, version, weight checksum) per F and B: for tests
+        self.used: dict[tuple[int, int], int] = {}  # (stage, mb) in flight -> the version its F used
+        self.plan: dict[tuple[int, int], int] = {}  # (stage, mb) -> version, for this call's F's still to run
+        self.steps_done = [0] * schedule.pp  # STEP actions each pp rank runs up to the end of this call
+        self.stage0: dict[int, int] = {}  # vertical sync: mb -> the version stage 0's forward used
+        self.first_mb = 0  # global number of this call's micro-batch 0 (call * m)
+        self.log: list[dict] = []  # (stage, mb, global mb g, version, weight checksum) per F and B: for tests
 
     # ---- which version a micro-batch uses --------------------------------------------------------------
 
-    def _steps_before(self, rank: int, stage: int, mb: int) -> int:
-        n = 0
-        for a in self.schedule.actions[rank]:
-            if a.kind == "F" and a.stage == stage and a.mb == mb:
-                return n
-            n += a.kind == "STEP"
-        raise KeyError((stage, mb))
+    def _plan(self, schedule: Schedule) -> dict[tuple[int, int], int]:
+        """(stage, mb) -> version of every forward this rank runs in this call. PipeDream: the number of
+        STEP actions the forward's rank ran before it (all earlier calls included); 2BW: t-1 for batch t."""
+        m, call = schedule.n_microbatches, self.calls - 1
+        mine = [a for a in schedule.actions[self.rank] if a.kind == "F"]
+        if schedule.name == "2bw":  # micro-batches m.. are the next batch's (no flush)
+            return {(a.stage, a.mb): max(call - 1, 0) if a.mb < m else call for a in mine}
+        counts = []
+        for q, acts in enumerate(schedule.actions):
+            n, seen = self.steps_done[q], {}
+            for a in acts:
+                if a.kind == "F":
+                    seen[(a.stage, a.mb)] = n
+                n += a.kind == "STEP"
+            counts.append(seen)
+            self.steps_done[q] = n
+        if not self.vertical_sync:
+            return counts[self.rank]
+        self.stage0.update({mb: v for (s, mb), v in counts[schedule.rank_of(0)].items() if s == 0})
+        return {(a.stage, a.mb): self.stage0[a.mb] for a in mine}
 
-    def version(self, stage: int, mb: int, call: int | None = None) -> int:
-        """The version F(stage, mb) and B(stage, mb) of step call ``call`` (default: the current) use."""
-        call = self.calls - 1 if call is None else call
-        if self.schedule.name == "2bw":
-            return max(call - 1, 0)
-        per_call = sum(a.kind == "STEP" for a in self.schedule.actions[self.rank])
-        if self.vertical_sync:
-            return call * per_call + self._steps_before(self.schedule.rank_of(0), 0, mb)
-        return call * per_call + self._steps_before(self.rank, stage, mb)
+    def version(self, stage: int, mb: int) -> int:
+        """The version F(stage, mb) and B(stage, mb) of the current call use."""
+        return self.used[(stage, mb)] if (stage, mb) in self.used else self.plan[(stage, mb)]
 
     # ---- executor hooks --------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
-        """A new batch: 2BW's live weights become version ``calls`` (updated once per batch)."""
-        if self.schedule.name == "2bw":
+    def begin_step(self, schedule: Schedule | None = None) -> None:
+        """A new call running ``schedule`` (default: the flush schedule): 2BW's live weights become version
+        ``calls`` (updated once per batch)."""
+        schedule = schedule or self.schedule
+        if schedule.name == "2bw":
             self.updates = self.calls
+        self.first_mb = self.calls * schedule.n_microbatches
         self.calls += 1
+        self.plan = self._plan(schedule)
         self._stash_live()
+
+    def carry(self, m: int) -> None:
+        """End of a call without a flush: the next call's micro-batches m.. in flight become its 0.."""
+        shift = lambda d: {(s, mb - m): v for (s, mb), v in d.items()}  # noqa: E731
+        self.leaves, self.used = shift(self.leaves), shift(self.used)
+        self.stage0 = {mb - m: v for mb, v in self.stage0.items() if mb >= m}
 
     def before_update(self) -> None:
         """STEP is about to change the live weights: keep this version if a later forward needs it."""
@@ -75,18 +104,19 @@ class WeightVersions:
                                                    if p.requires_grad}
 
     def forward(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        v = self.version(stage, mb)
+        v = self.plan.pop((stage, mb))
         if v == self.updates:
             self._stash_live()  # the live weights, copied: a STEP before this B must not change them
         snap = self.snapshots[stage][v]
         leaves = {n: t.detach().requires_grad_() for n, t in snap.items()}  # this mb's own gradients
-        self.leaves[(stage, mb)] = leaves
-        self.log.append({"kind": "F", "stage": stage, "mb": mb, "version": v, "sum": _checksum(leaves)})
+        self.leaves[(stage, mb)], self.used[(stage, mb)] = leaves, v
+        self.log.append({"kind": "F", "stage": stage, "mb": mb, "g": self.first_mb + mb, "version": v,
+                         "sum": _checksum(leaves)})
         return functional_call(self.stages[stage], leaves, (x,))  # frozen weights: the module's own
 
     def after_backward(self, stage: int, mb: int) -> None:
-        leaves = self.leaves.pop((stage, mb))
-        self.log.append({"kind": "B", "stage": stage, "mb": mb, "version": self.version(stage, mb),
+        leaves, v = self.leaves.pop((stage, mb)), self.used.pop((stage, mb))
+        self.log.append({"kind": "B", "stage": stage, "mb": mb, "g": self.first_mb + mb, "version": v,
                          "sum": _checksum(leaves)})
         for n, p in self.stages[stage].named_parameters():
             if n not in leaves:  # frozen: no gradient
@@ -97,15 +127,19 @@ class WeightVersions:
         self._drop_unused(stage)
 
     def _drop_unused(self, stage: int) -> None:
-        """Free versions no in-flight or later micro-batch of this call (nor the next 2BW batch) needs."""
-        keep = {self.updates}
+        """Free versions no in-flight or later micro-batch needs (2BW: this batch's and the next's)."""
         if self.schedule.name == "2bw":
-            keep.add(max(self.calls - 2, 0))  # this batch runs on the version before the last update
-        else:
-            keep |= {self.version(stage, mb) for mb in range(self.schedule.n_microbatches)}
-            keep |= {self.version(stage, mb, self.calls) for mb in range(self.schedule.n_microbatches)}
+            keep = {self.updates, max(self.calls - 2, 0)}
+        else:  # later calls' forwards use at least the live version (vertical sync: stage 0's rank's count,
+            # or the version stage 0 gave a next-step micro-batch this rank has not run yet)
+            m = self.schedule.n_microbatches
+            later = ([self.steps_done[self.schedule.rank_of(0)]] + [v for mb, v in self.stage0.items() if mb >= m]
+                     if self.vertical_sync else [self.updates])
+            floor = min([v for (s, _), v in self.plan.items() if s == stage] + later)
+            keep = {v for v in self.snapshots[stage] if v >= floor}
+        keep |= {v for (s, _), v in self.used.items() if s == stage} | {self.updates}
         for v in list(self.snapshots[stage]):
-            if v not in keep and all(k[0] != stage or self.version(*k) != v for k in self.leaves):
+            if v not in keep:
                 del self.snapshots[stage][v]
 
 

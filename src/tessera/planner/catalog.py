@@ -50,16 +50,38 @@ class GpuSpec:
     # On CPU they run at about 60% of the layer matmuls' rate, and their share of a step grows with the
     # sequence, so a model calibrated on one sequence length must charge them apart
     attention_flops: float = 0.0
+    # GPU kernel model (tessera.planner.gpu_kernels; 0 = off: everything at peak × compute_efficiency, as a
+    # calibrated CPU is timed): the share of HBM bandwidth non-matmul kernels reach
+    hbm_efficiency: float = 0.0
+    kernel_gap_s: float = 0.0  # idle device time between two consecutive kernels of a layer
+    sm_count: int = 0  # streaming multiprocessors: a GEMM's output tiles run in waves of this many (0: ignore)
+    nccl_efficiency: float = 1.0  # bus bandwidth NCCL's collectives reach, as a share of the link's
 
 
+# The GPU kernel model's constants, one set per GPU family (docs/PLANNER.md, "Published runs", says which
+# published runs were looked at when each was chosen): compute_efficiency 0.75 (A100, the planner's earlier
+# default) / 0.65 (H100, chosen between the torchtitan 8-GPU and Llama 3 405B runs): a full-wave GEMM's
+# share of peak; attention_flops: FlashAttention-2 forward + backward on causal inputs, 60% of peak on A100
+# (Dao 2023) and 27.5% on H100 (Shah et al. 2024, FA2 on H100); sm_count from the data sheets (108, 132);
+# assumed without a measurement of their own: hbm_efficiency 0.80 (a streaming kernel's share of HBM
+# bandwidth), kernel_gap_s 1 µs, nccl_efficiency 0.80 (bus bandwidth as a share of the line rate).
+_A100 = dict(compute_efficiency=0.75, attention_flops=0.60 * 312e12, hbm_efficiency=0.80, kernel_gap_s=1e-6,
+             sm_count=108, nccl_efficiency=0.80)
+_H100 = dict(compute_efficiency=0.65, attention_flops=0.275 * 989e12, hbm_efficiency=0.80, kernel_gap_s=1e-6,
+             sm_count=132, nccl_efficiency=0.80)
 GPUS: dict[str, GpuSpec] = {
     # A100 SXM: 312 TFLOP/s bf16; NVLink3 600 GB/s bidirectional; DGX A100 has 8x HDR 200 Gb/s NICs.
-    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9),
-    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_A100),
+    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_A100),
     # H100 SXM: 989 TFLOP/s bf16 dense; NVLink4 900 GB/s bidirectional; DGX H100 has 8x NDR 400 Gb/s.
-    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
+    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_H100),
+    # H100 SXM with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W limit (Meta's Grand Teton, where torchtitan
+    # measured): its peak lies "between SXM and NVL" (torchtitan, which does not know it); 835 TFLOP/s, the
+    # NVL's and the low end of that range, is ASSUMED — the torchtitan runs set it (docs/PLANNER.md).
+    "h100-hbm2e": GpuSpec("h100-hbm2e", 835e12, 96 * GiB, 2.4e12, 450e9, 50e9,
+                          **{**_H100, "attention_flops": 0.275 * 835e12}),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
-    "h200": GpuSpec("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+    "h200": GpuSpec("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_H100),
 }
 GPU_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-80gb": "h100"}
 

@@ -23,9 +23,9 @@ class Link:
 
 def link_for(gpu, stride: int, size: int) -> Link:
     """The link a group of ``size`` ranks spaced ``stride`` apart uses."""
-    if stride * size <= gpu.gpus_per_node:
-        return Link(gpu.intra_alpha_s, gpu.intra_bytes_per_s)
-    return Link(gpu.inter_alpha_s, gpu.inter_bytes_per_s)
+    if stride * size <= gpu.gpus_per_node:  # NCCL reaches nccl_efficiency of the line rate
+        return Link(gpu.intra_alpha_s, gpu.intra_bytes_per_s * gpu.nccl_efficiency)
+    return Link(gpu.inter_alpha_s, gpu.inter_bytes_per_s * gpu.nccl_efficiency)
 
 
 def all_reduce_s(nbytes: float, n: int, link: Link) -> float:

@@ -38,6 +38,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="measure this machine's matmul rate and all-reduce α, β on local ranks and plan with them")
     p.add_argument("--calibration", help="a JSON file written by --save-calibration, used instead of measuring")
     p.add_argument("--save-calibration", help="write the measured numbers to this JSON file")
+    p.add_argument("--validate", action="store_true",
+                   help="predict every published GPU run of the planner's table (src/tessera/planner/"
+                        "published_runs.json) on its own layout and print predicted against published")
+    p.add_argument("--write-doc", metavar="FILE",
+                   help="with --validate: also replace the published-runs table in this markdown file "
+                        "(docs/PLANNER.md)")
     return p
 
 
@@ -83,6 +89,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.planner.search import search
     from tessera.planner.trainable import TrainerRule, job_flags
 
+    if args.validate:
+        return _validate(args)
+    if args.write_doc:
+        raise ConfigError("--write-doc goes with --validate")
     if args.gpus is None:
         args.gpus = 2 if (args.calibrate or args.calibration) else 8
     if args.model is None:
@@ -93,6 +103,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be a positive integer, got {args.top}")
     gpu, model, calibration = _gpu_and_model(args)
+    from tessera.planner.published import step_band
+
+    band = step_band(gpu)
+    band_source = ("from the planner's errors on published GPU runs (tessera plan --validate)" if gpu.hbm_efficiency
+                   else "from the held-out rows of the CPU validation (docs/PLANNER.md)")
     batch, seq = (args.global_batch if args.global_batch is not None else 512), args.seq or model.seq
     rule = TrainerRule(job_flags(model, batch, seq, args.precision), batch)
     plan = search(model, gpu, args.gpus, batch, seq, precision=args.precision, optimizer=args.optimizer,
@@ -101,7 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": model.name, "gpu": gpu.name, "gpus": args.gpus, "global_batch": batch,
                           "seq": seq, "calibration": calibration, "considered": plan.considered,
                           "fitting": plan.fitting, "refused": len(plan.refused),
-                          "layouts": [{**as_json(e), "train_flags": rule.flags + rule.layout_flags(e.layout)}
+                          "band_source": band_source,
+                          "layouts": [{**as_json(e, band), "train_flags": rule.flags + rule.layout_flags(e.layout)}
                                       for e in plan.ranked]}, indent=2))
         return 0
     n = model.num_params()
@@ -111,5 +127,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if model.lora_rank:
         head += (f", LoRA rank {model.lora_rank} on {','.join(model.lora_targets)} "
                  f"({model.adapter_params() / 1e6:.2f}M trainable, the rest frozen)")
-    print(head + "\n" + explain(plan, args.gpus, flags=(rule.flags, [rule.layout_flags(e.layout) for e in plan.ranked])))
+    print(head + "\n" + explain(plan, args.gpus, flags=(rule.flags, [rule.layout_flags(e.layout) for e in plan.ranked]),
+                                band=band, band_source=band_source))
+    return 0
+
+
+def _validate(args) -> int:
+    """``--validate``: the published-runs table (and, with ``--write-doc``, that table in the doc)."""
+    from tessera.planner.published import sources, table, write_doc
+
+    text = table()
+    print(text)
+    print("\nsources:\n" + "\n".join(f"- {s}" for s in sources()))
+    if args.write_doc:
+        write_doc(args.write_doc, text)
+        print(f"wrote the table into {args.write_doc}")
     return 0

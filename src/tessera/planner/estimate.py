@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
 from tessera.planner.flops import attention_flops, bubble_fraction, model_flops, recompute_flops
+from tessera.planner.gpu_kernels import TESSERA, Software, stage_time, zero3_exposed
 from tessera.planner.memory import (DISK_STAGING_BYTES, activation_bytes_per_layer, embedding_bytes,
                                     llama_activation_bytes_per_layer, logits_bytes, model_state_bytes,
                                     offload_kind, stage_inflight)
@@ -94,7 +95,7 @@ def _model_states(n: tuple[float, float], layout, shard: int, precision: str, op
     (``tessera.train.pipeline_step``), so ZeRO-2/3 hold full gradients during the step, as ZeRO-1."""
     trainable, frozen = n
     states = model_state_bytes(trainable, zero_stage=layout.zero_stage, dp=shard, precision=precision,
-                               optimizer=optimizer)
+                               optimizer=optimizer, zero1_reduced=layout.pp == 1)
     if layout.pp > 1 and layout.zero_stage >= 2:
         states["grads"] = model_state_bytes(trainable, zero_stage=1, dp=shard, precision=precision,
                                             optimizer=optimizer)["grads"]
@@ -190,7 +191,7 @@ def activation_bytes_per_step(spec, layout, global_batch: int, seq: int, precisi
 
 
 def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "mixed",
-              optimizer: str = "adam") -> tuple[dict, float]:
+              optimizer: str = "adam", software: Software = TESSERA) -> tuple[dict, float]:
     """(seconds by part, total seconds) of one optimizer step.
 
     Compute: matmul FLOPs at peak × efficiency (attention's score and value matmuls at ``attention_flops``
@@ -200,7 +201,9 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     a TP rank still runs the replicated ones in full, and every rank pays each kernel's dispatch however
     few tokens or how narrow a slice it computes). Every blocking collective on the critical path costs
     its α–β time plus ``collective_sync_s`` (the exposed start-up of a collective issued between compute
-    segments)."""
+    segments). A catalogue GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's
+    compute kernel by kind instead (``tessera.planner.gpu_kernels``; ``software`` says what the training
+    code does: tessera's by default)."""
     elem = ELEM_BYTES[precision]
     links = cm.axis_links(gpu, layout)
     sync = gpu.collective_sync_s
@@ -217,6 +220,8 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
     matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
     compute = (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
+    if gpu.hbm_efficiency:  # the busiest stage: the last holds the output layer and the loss
+        compute = m * max(stage_time(spec, layout, gpu, seq, elem, software, last=last).total for last in (True, False))
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole
@@ -238,9 +243,10 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     pipeline = stage / (1.0 - bubble)
     p2p = 0.0
     if layout.pp > 1:
-        sent = act_bytes / (layout.tp if layout.sp else 1)
+        sent = act_bytes / (layout.tp if layout.sp or software.p2p_scatter_gather else 1)
         p2p = 2 * (m + layout.pp - 1) * layout.virtual_stages * (cm.p2p_s(sent, links["pp"]) + sync)
-    dp_exposed, optim, offload = _data_parallel_and_update(spec, layout, gpu, links["dp"], compute, m, elem,
+    hidden = compute if software.dp_overlap else 0.0  # what the data-parallel reduction can hide behind
+    dp_exposed, optim, offload = _data_parallel_and_update(spec, layout, gpu, links["dp"], hidden, m, elem,
                                                            precision, optimizer)
     parts = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "bubble": pipeline - stage, "pp_p2p": p2p,
              "dp_exposed": dp_exposed, "optimizer": optim, "offload": offload}
@@ -279,6 +285,8 @@ def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precisi
     elif layout.zero_stage in (1, 2):  # reduce-scatter gradients, all-gather updated parameters after the step
         exposed = (max(0.0, cm.reduce_scatter_s(grad_bytes, n, link) + syncs - window)
                    + cm.all_gather_s(grad_bytes, n, link) + syncs)
+    elif gpu.hbm_efficiency and n > 1:  # GPU kernel model: each unit's gathers behind its neighbour's compute
+        exposed = m * zero3_exposed(spec, layout, link, compute / m, elem, grad_bytes / max(held_bytes, 1.0))
     else:  # gather weights for forward and backward, reduce-scatter gradients, every micro-batch; prefetched
         z3 = m * (2 * cm.all_gather_s(held_bytes, n, link) + cm.reduce_scatter_s(grad_bytes, n, link))
         units = spec.layers / layout.pp + 1
@@ -293,11 +301,11 @@ def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precisi
 
 
 def estimate(spec, layout, gpu, global_batch: int, seq: int | None = None, precision: str = "mixed",
-             optimizer: str = "adam") -> Estimate:
+             optimizer: str = "adam", software: Software = TESSERA) -> Estimate:
     """Memory and time of ``layout``; see the module docstring. ``seq`` defaults to the model's."""
     seq = seq or spec.seq
     mem, host = memory_per_rank(spec, layout, global_batch, seq, precision, optimizer)
-    parts, total = step_time(spec, layout, gpu, global_batch, seq, precision, optimizer)
+    parts, total = step_time(spec, layout, gpu, global_batch, seq, precision, optimizer, software)
     tokens = global_batch * seq
     mfu = model_flops(spec, tokens, seq) / (total * layout.world * gpu.peak_flops)
     m = layout.microbatches(global_batch)

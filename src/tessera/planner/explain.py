@@ -7,8 +7,11 @@ import shlex
 GB = 1e9
 
 
-def as_json(est) -> dict:
-    """The issue's per-layout record: layout, memory_bytes, step_time_s, tokens_per_s, mfu, bubble_fraction."""
+def as_json(est, band: tuple[float, float] = (1.0, 1.0)) -> dict:
+    """The issue's per-layout record: layout, memory_bytes, step_time_s, tokens_per_s, mfu, bubble_fraction,
+    and the uncertainty band of each time (``band``: multipliers of the step time, low and high,
+    ``tessera.planner.published.step_band``)."""
+    low, high = band
     return {
         "layout": est.layout.as_dict(),
         "memory_bytes": {k: int(round(v)) for k, v in est.memory_bytes.items()},
@@ -18,16 +21,22 @@ def as_json(est) -> dict:
         "tokens_per_s": est.tokens_per_s,
         "mfu": est.mfu,
         "bubble_fraction": est.bubble_fraction,
+        "step_time_s_band": [est.step_time_s * low, est.step_time_s * high],
+        "tokens_per_s_band": [est.tokens_per_s / high, est.tokens_per_s / low],
+        "mfu_band": [est.mfu / high, min(1.0, est.mfu / low)],  # no step beats the peak
     }
 
 
-def table(estimates, gpus: int) -> str:
-    """One line per layout, fastest first."""
-    head = f"{'#':>3}  {'layout':<48}{'mem GB':>8}{'step s':>10}{'tok/s':>12}{'MFU':>7}{'bubble':>8}"
+def table(estimates, gpus: int, band: tuple[float, float] = (1.0, 1.0)) -> str:
+    """One line per layout, fastest first; the MFU with its band (``as_json``)."""
+    low, high = band
+    head = (f"{'#':>3}  {'layout':<48}{'mem GB':>8}{'step s':>10}{'tok/s':>12}{'MFU':>7}"
+            f"{'MFU band':>15}{'bubble':>8}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
+        spread = f"{e.mfu / high:.1%}–{min(1.0, e.mfu / low):.1%}"
         lines.append(f"{i:>3}  {e.layout.describe():<48}{e.memory_bytes['total'] / GB:>8.1f}"
-                     f"{e.step_time_s:>10.3f}{e.tokens_per_s:>12,.0f}{e.mfu:>7.1%}{e.bubble_fraction:>8.1%}")
+                     f"{e.step_time_s:>10.3f}{e.tokens_per_s:>12,.0f}{e.mfu:>7.1%}{spread:>15}{e.bubble_fraction:>8.1%}")
     return "\n".join(lines)
 
 
@@ -51,12 +60,16 @@ def train_flags(common: list, per_layout: list, gpus: int) -> str:
     return "\n".join(lines)
 
 
-def explain(plan, gpus: int, top: int = 3, flags: tuple | None = None) -> str:
+def explain(plan, gpus: int, top: int = 3, flags: tuple | None = None, band: tuple[float, float] = (1.0, 1.0),
+            band_source: str = "") -> str:
     """The ranked table, the ``tessera train`` flags of each layout (``flags``: (common, per layout)) and
-    the breakdowns of the first ``top`` choices."""
+    the breakdowns of the first ``top`` choices. ``band``: the step-time multipliers of the uncertainty
+    band, ``band_source`` where it comes from."""
     refused = f", {len(plan.refused)} faster ones refused by tessera train" if plan.refused else ""
-    out = [table(plan.ranked, gpus), "",
+    out = [table(plan.ranked, gpus, band), "",
            f"{plan.considered} layouts considered, {plan.fitting} fit{refused}, {len(plan.ranked)} shown."]
+    if band_source:
+        out.append(f"band: step time × {band[0]:.2f} … × {band[1]:.2f}, {band_source}")
     if flags is not None:
         out += ["", train_flags(*flags, gpus)]
     out += ["", "top choices:"] + [breakdown(e) for e in plan.ranked[:top]]

@@ -46,10 +46,12 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, precision: str = "mixed",
-                      optimizer: str = "adam") -> dict:
+                      optimizer: str = "adam", zero1_reduced: bool = False) -> dict:
     """Bytes per rank of parameters, gradients and optimizer states under ZeRO stage 0–3 over ``dp`` ranks.
 
     ``optimizer`` 'adam' (also AdamW) or 'sgd' (with momentum). Returns {params, grads, optimizer, total}.
+    ``zero1_reduced``: stage 1 as tessera (and DeepSpeed) run it outside a pipeline, which free the full
+    gradients once reduced and keep the 1/``dp`` slice (the paper's P_os keeps them whole: the default).
     """
     _check_choice("precision", precision, ("mixed", "fp32"))
     _check_choice("optimizer", optimizer, ("adam", "adamw", "sgd"))
@@ -59,7 +61,7 @@ def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, precision:
     k = _OPTIMIZER_K[(precision, "adam" if optimizer == "adamw" else optimizer)]
     per = _PARAM_BYTES[precision]
     params = per * num_params / (dp if zero_stage >= 3 else 1)
-    grads = per * num_params / (dp if zero_stage >= 2 else 1)
+    grads = per * num_params / (dp if zero_stage >= 2 or (zero_stage == 1 and zero1_reduced) else 1)
     opt = k * num_params / (dp if zero_stage >= 1 else 1)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 

@@ -20,6 +20,10 @@ class PrecisionConfig:
     loss_scale: str = "auto"
     init_scale: float = 65536.0  # dynamic loss scaling: the first scale
     growth_interval: int = 200  # dynamic loss scaling: double the scale after this many clean steps
+    hysteresis: int = 1  # dynamic loss scaling: overflows since the scale last grew before one halves it (DeepSpeed's)
+    min_loss_scale: float = 1.0  # dynamic loss scaling: the scale never goes below this
+    consecutive_hysteresis: bool = False  # dynamic: refill the hysteresis at every finite step (DeepSpeed's)
+    growth_delay: int = 0  # dynamic: extra clean steps before the first growth after the start or an overflow
 
     def validate(self) -> PrecisionConfig:
         if self.dtype not in DTYPES:
@@ -37,6 +41,14 @@ class PrecisionConfig:
                     f"got '{self.loss_scale}'") from None
         if self.init_scale <= 0 or self.growth_interval < 1:
             raise ConfigError("precision.init_scale must be positive and precision.growth_interval at least 1")
+        if self.hysteresis < 1:
+            raise ConfigError(f"precision.hysteresis must be at least 1 (1 halves the scale at every overflow), "
+                              f"got {self.hysteresis}")
+        if self.growth_delay < 0:
+            raise ConfigError(f"precision.growth_delay must not be negative, got {self.growth_delay}")
+        if not 0 < self.min_loss_scale <= self.init_scale:
+            raise ConfigError(f"precision.min_loss_scale must be positive and at most precision.init_scale="
+                              f"{self.init_scale:g}, got {self.min_loss_scale:g}")
         return self
 
     @property

@@ -3,8 +3,8 @@
     [run]        name, output folder, seed, local ranks, device, progress bar
     [model]      a preset (tiny, small, moe-small, 124M, 1B, 7B, 70B, ctr) and any field of ModelConfig
     [parallel]   degrees dp_replicate, dp_shard, pp, tp, cp, ep; rank order; collective timeout
-    [ddp]        gradient bucket size, unused-parameter handling
-    [optim]      AdamW, warm-up + cosine schedule, gradient clipping
+    [ddp]        gradient bucket size, unused-parameter handling; mode (DDP, local SGD, parameter servers, DataParallel)
+    [optim]      optimizer (AdamW, Adam, SGD, Adagrad), warm-up + lr schedule, gradient clipping
     [data]       corpus, sequence length, global and micro batch sizes
     [train]      steps, logging and validation cadence
     [checkpoint] final checkpoint
@@ -48,12 +48,14 @@ from tessera.tensor_parallel.config import TensorParallelConfig
 from tessera.topology import ParallelConfig, validate_degrees
 from tessera.train import config_io
 from tessera.train.data import DataConfig, check_vocabulary
+from tessera.train.dp_modes.registry import validate_modes
 from tessera.train.optim import OptimConfig
 from tessera.observe.profile import ProfileConfig
 from tessera.train.settings import check_finite, check_settings_take_effect
 from tessera.zero.config import ZeroConfig
 from tessera.zero.offload.check import check_disk_offload
 from tessera.zero.validate import validate_memory_savers
+from tessera.train.wrap_check import check_wrap_config
 
 
 @dataclass
@@ -251,6 +253,7 @@ def validate_config(cfg: JobConfig, world_size: int) -> JobConfig:
     if cfg.checkpoint.resume not in ("", "auto") and not Path(cfg.checkpoint.resume).is_dir():
         raise ConfigError(f"checkpoint.resume: no checkpoint folder at {cfg.checkpoint.resume}")
     check_settings_take_effect(cfg, dp)
+    check_wrap_config(cfg, dp)  # zero.wrap_paths / wrap_classes name modules of the model as it runs (LoRA, tp, ep)
     check_lora(cfg, dp)
     return cfg
 
@@ -267,6 +270,7 @@ def check_lora(cfg: JobConfig, parallel: ParallelConfig) -> None:
 def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
     """Shape checks of tensor, context, pipeline and expert parallelism (``parallel`` is resolved)."""
     validate_composition(cfg, parallel)
+    validate_modes(cfg, parallel)  # ddp.mode other than DDP: what it cannot compose with, and why
     check_kernels(cfg, parallel)  # a [kernels] choice the layout has no operation for
     m, tp = cfg.model, parallel.tp
     cfg.tensor_parallel.validate(tp, m, cfg.data.seq_len)
@@ -274,7 +278,9 @@ def validate_strategies(cfg: JobConfig, parallel: ParallelConfig) -> None:
                                       m.dropout)
     validate_moe(cfg.moe, m.num_experts, parallel.ep)
     per_rank_batch = cfg.data.global_batch_size // (parallel.dp_replicate * parallel.dp_shard)
-    cfg.pipeline.validate(parallel.pp, m.n_layers, per_rank_batch)
+    cfg.pipeline.validate(parallel.pp, m.n_layers, per_rank_batch, routing_losses=m.num_experts > 0,
+                          dynamic_loss_scale=cfg.precision.loss_scale == "dynamic" or (
+                              cfg.precision.loss_scale == "auto" and cfg.precision.dtype == "fp16"))
 
 
 def config_dict(cfg: JobConfig) -> dict:

@@ -59,6 +59,8 @@ from tessera.pipeline import Pipeline, PipelineConfig, build_pipeline
 from tessera.precision import PrecisionConfig, unscale_
 from tessera.timeline import Timeline, bubble_fraction, gather, write_chrome_trace, write_gantt_png
 from tessera.train.optim import OptimConfig, build_optimizer, optimizer_factory, param_groups
+from tessera.train.pipeline_lookahead import LookAhead, drains_after
+from tessera.train.pipeline_keys import StageKeys
 from tessera.train.pipeline_stage import sequence_split, stage_preparer
 from tessera.train.step import IGNORE_INDEX, StepResult, global_token_count
 from tessera.train.strategies import loss_function
@@ -72,16 +74,19 @@ class PipelineStep:
     under ZeRO-3 only the engine's shards are), run by the schedule of ``cfg`` over the topology's "pp"
     group, replicated over its data-parallel ranks (dp × cp).
 
-    The adapter owns its optimizer (``self.optimizer``, AdamW from ``optim_cfg`` over this rank's stage
+    The adapter owns its optimizer (``self.optimizer``, ``optim_cfg.name`` over this rank's stage
     parameters, or the engine's over its master shards): PipeDream async updates inside the schedule,
     after every micro-batch's backward, so the optimizer must be reachable from the pipeline. The other
     keyword arguments are the job's config sections, handed to the stage preparer
-    (``tessera.train.pipeline_stage``) as one settings namespace.
+    (``tessera.train.pipeline_stage``) as one settings namespace. ``mode_exchanges``: a data-parallel
+    mode other than "allreduce" (``ddp.mode``) is built over ``self.module`` and ``self.dp`` and exchanges
+    at the step; the adapter then builds no reducer, engine or optimizer (``_axes_of``: the norm's rule).
     """
 
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
                  optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None, precision=None,
-                 context_parallel=None, checkpointing=None, model_config=None, moe=None, kernels=None):
+                 context_parallel=None, checkpointing=None, model_config=None, moe=None, kernels=None,
+                 mode_exchanges: bool = False):
         self.cfg, self.optim_cfg, self.device = cfg, optim_cfg, torch.device(device)
         self.adamw = kernels.adamw if kernels is not None else "auto"  # [kernels] adamw of every optimizer
         self.topology = topology
@@ -111,18 +116,36 @@ class PipelineStep:
                                              prepare_stage=prepare, seq_split=sequence_split(topology, settings),
                                              activation_dtype=self.precision.param_dtype)
         self.module = _rank_module(self.pipe)
+        self.keys = self.pipe.executor.before_compute = StageKeys(self.pipe.stages)  # MoE: rows, padding
         # the tied embedding's two copies sum their gradients, unless it is frozen (LoRA): then it has none
         embedding = getattr(model, "tok_embeddings", None)
         self._tied_grads = self.pipe.tied and embedding is not None and embedding.weight.requires_grad
         self._axes_of = self._param_axes()
-        self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
+        if mode_exchanges:  # a ddp.mode (tessera.train.dp_modes) exchanges over self.dp at the step and holds
+            self.engine = self.reducer = self.optimizer = None  # the optimizer: this reduces nothing
+        else:
+            self._data_parallel(zero or ZeroConfig(), ddp or DDPConfig())
         self.skipped_inside = 0  # PipeDream async: in-schedule updates of the last batch skipped on inf/nan
+        # pipeline.flush = false: the next step's batches, fetched a step early so its first forwards fill
+        # this step's cool-down (``take_batches``), and the global token count of those forwards' step
+        self.lookahead = LookAhead(enabled=not cfg.flush and self.pp.size > 1)
         self.last_grad_norm = 0.0  # PipeDream async: the norm before the last in-schedule clipping
 
     def loss_weight(self) -> float:
         """What a stage's own loss terms (MoE auxiliary losses) are multiplied by before backward, as the
-        token loss is: the loss scale over the current step's global token count."""
-        return self._loss_scale / self._divisor
+        token loss is: the loss scale over the global token count of the step the running forward is of
+        (without a flush the next step's first forwards run in this one: micro-batch numbers m..)."""
+        a = self.pipe.executor.current
+        ahead = a is not None and a.mb >= self.pipe.schedule.n_microbatches
+        return self._loss_scale / (self.lookahead.divisor if ahead else self._divisor)
+
+    def take_batches(self, fetch, drain: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This step's batches (``fetch()`` gives the sampler's next step); with ``pipeline.flush = false``
+        and no ``drain`` after this step, the next step's too, whose first forwards run in this step
+        (``tessera.train.pipeline_lookahead.LookAhead.take_batches``)."""
+        return self.lookahead.take_batches(fetch, drain)
+
+    drains_after = staticmethod(drains_after)  # (step, job) -> whether the pipeline drains after ``step``
 
     def _data_parallel(self, zero: ZeroConfig, ddp: DDPConfig) -> None:
         """The reduction of this stage's gradients over dp × cp, in manual mode (the schedule runs many
@@ -175,6 +198,14 @@ class PipelineStep:
     # ---- one optimizer step ------------------------------------------------------------------------
 
     def _loss_fn(self, logits_BSV: torch.Tensor, y_BS: torch.Tensor) -> torch.Tensor:
+        # The token loss is divided by THIS step's global token count (``_divisor``) and summed into this
+        # step's ``_sums``. That is right only because the last stage, the one that computes the loss, never
+        # runs a look-ahead forward (micro-batch number >= m, the next step's: ``pipeline.flush = false``):
+        # the continuing schedules give those forwards to the earlier stages' cool-down slots only. A
+        # schedule that broke this would silently weight the next step's loss by this step's tokens.
+        a = self.pipe.executor.current  # None outside the training executor (evaluation)
+        assert a is None or a.mb < self.pipe.schedule.n_microbatches, \
+            f"the last stage ran a look-ahead forward (micro-batch {a.mb}); its loss would use this step's tokens"
         s, _ = self._loss_parts(logits_BSV, y_BS, ignore_index=IGNORE_INDEX)
         self._sums.append(s.detach().double())
         scaled = s / torch.as_tensor(self._divisor, dtype=s.dtype)
@@ -190,26 +221,34 @@ class PipelineStep:
                               f"{x_BS.shape[0]} sequences.")
         return list(zip(x_BS.chunk(m), y_BS.chunk(m)))
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         activation_tracker=None, loss_scale: float = 1.0) -> StepResult:
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], activation_tracker=None,
+                         loss_scale: float = 1.0, rows: tuple[int, int, int] | None = None) -> StepResult:
         """Gradients of the global-mean loss over this dp rank's ``batches`` (summed over "dp" afterwards;
         PipeDream async has already applied them). The returned loss is the same float on every rank.
         ``loss_scale`` multiplies the loss before backward (see :meth:`unscale_gradients`); the reported
-        loss is unscaled."""
+        loss is unscaled. ``rows``: (run seed, the run's sample index of this rank's first row, rows per
+        step) names the micro-batches' tokens for MoE noise (``tessera.train.pipeline_keys``)."""
         total_tokens = global_token_count(batches, self.dp, self.device)
         self._divisor, self._sums = float(total_tokens), []
         self._loss_scale, self.skipped_inside = loss_scale, 0
         micro = self._split(batches)
-        self.timeline.clear()  # keep the last step only: write_timeline measures it
+        self.keys.begin(rows, len(micro))
+        ahead = self.lookahead.take_ahead()  # take_batches' next step (flush = false)
+        look = None if ahead is None else self._split(ahead)
+        if ahead is not None:
+            self.lookahead.divisor = float(global_token_count(ahead, self.dp, self.device))
+        if self.pipe.executor.drained:  # keep the last step (no flush: the steps since the last drain)
+            self.timeline.clear()
         tracking = activation_tracker() if activation_tracker else contextlib.nullcontext()
         with tracking:  # every micro-batch in flight at once on this rank counts
             if not self._tied_grads:
-                self.pipe.executor.step(micro)  # the schedule alone
+                self.pipe.executor.step(micro, look)  # the schedule alone
             elif getattr(self.engine, "flats", None):  # ZeRO-3 (also under ep)
-                self.pipe.executor.step(micro)
+                self.pipe.executor.step(micro, look)
                 self._sum_tied_flat_grads()
             else:
-                self.pipe.step(micro)  # the schedule, then the tied copies' .grad summed
+                self.pipe.step(micro, look)  # the schedule, then the tied copies' .grad summed
+        self.keys.end()
         if not self.steps_inside:
             self._reduce_grads()
         loss = self._broadcast_loss()
@@ -338,12 +377,14 @@ class PipelineStep:
             m.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, token count]
         self._divisor, self._loss_scale = 1.0, 1.0
+        self.keys.begin(None, 1)  # no noise in evaluation; padding is marked all the same
         try:
             for micro in batches:
                 self._sums = []
                 totals[0] += self.pipe.evaluate(micro).to(self.device)
                 totals[1] += sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in micro)
         finally:
+            self.keys.end()
             for m, mode in zip(self.pipe.stages.values(), modes):
                 m.train(mode)
         comm.all_reduce(totals, self.dp)

@@ -32,7 +32,8 @@ from tessera.train.auto_layout import AUTO_KEYS
 NUMBER_TEXT = ("precision.loss_scale",)
 # what the parameter-server mode (model.preset = "ctr") reads besides [ps]; every other key is unused
 CTR_READS = ("run.name", "run.out_dir", "run.seed", "run.progress", "train.steps", "train.log_every")
-ZERO3_KEYS = ("zero.reshard_after_forward", "zero.prefetch", "zero.wrap_policy")
+ZERO3_KEYS = ("zero.reshard_after_forward", "zero.prefetch", "zero.wrap_policy", "zero.wrap_paths", "zero.wrap_classes",
+              "zero.prefetch_params", "zero.max_live_params")
 
 
 # ---- finite numbers -----------------------------------------------------------------------------
@@ -87,17 +88,20 @@ def _all_but(*names: str) -> Callable[[str], bool]:
 
 
 def _engine(cfg, par) -> bool:
-    """A ZeRO / fp32-master engine holds the optimizer (the rule of tessera.parallelize)."""
-    return engine_holds_optimizer(par, cfg.precision)
+    """A ZeRO / fp32-master engine holds the optimizer (the rule of tessera.parallelize; ddp.mode="ps-sharded"
+    is ZeRO-1's engine with the exchange at the step)."""
+    return engine_holds_optimizer(par, cfg.precision) or cfg.ddp.mode == "ps-sharded"
 
 
 def _ddp(cfg, par) -> bool:
     """DistributedDataParallel reduces the gradients (a pipeline's data parallelism and expert parallelism's
     two reducers, dense over dp and experts over edp, read [ddp] too)."""
-    return not _engine(cfg, par) and par.dp_replicate * par.dp_shard * par.cp > 1
+    return cfg.ddp.mode == "allreduce" and not _engine(cfg, par) and par.dp_replicate * par.dp_shard * par.cp > 1
 
 
 def _no_ddp(cfg, par) -> str:
+    if cfg.ddp.mode != "allreduce":
+        return f"ddp.mode={cfg.ddp.mode!r} exchanges at the step, without DDP's buckets"
     if _engine(cfg, par):
         return (f"a ZeRO engine reduces the gradients here (parallel.zero_stage={par.zero_stage}, "
                 f"precision.dtype={cfg.precision.dtype})")
@@ -125,6 +129,9 @@ SCOPES: tuple[Scope, ...] = (
           "with pipeline.partition='cost'", lambda c, p: f"pipeline.partition={c.pipeline.partition!r}"),
     Scope(_keys("pipeline.microbatches"), lambda c, p: c.pipeline.schedule != "naive",
           "to schedules that split the batch", lambda c, p: "pipeline.schedule='naive' runs it whole"),
+    Scope(_keys("pipeline.flush"), lambda c, p: c.pipeline.schedule in ("pipedream", "2bw"),
+          "to the weight-stashing schedules pipedream and 2bw (the others drain to update every stage at once)",
+          lambda c, p: f"pipeline.schedule={c.pipeline.schedule!r}"),
     Scope(_keys("tensor_parallel"), lambda c, p: p.tp > 1, "with tensor parallelism (parallel.tp > 1)",
           lambda c, p: f"parallel.tp={p.tp}"),
     Scope(_keys("tensor_parallel.depth"), lambda c, p: c.tensor_parallel.mode == "2.5d",
@@ -142,9 +149,13 @@ SCOPES: tuple[Scope, ...] = (
     Scope(_keys("zero.min_params"), lambda c, p: p.zero_stage == 3 and c.zero.wrap_policy == "size",
           "to ZeRO-3 with zero.wrap_policy='size'",
           lambda c, p: f"parallel.zero_stage={p.zero_stage}, zero.wrap_policy={c.zero.wrap_policy!r}"),
+    Scope(_keys("zero.wrap_paths", "zero.wrap_classes"), lambda c, p: c.zero.wrap_policy == "manual",
+          "with zero.wrap_policy='manual'", lambda c, p: f"zero.wrap_policy={c.zero.wrap_policy!r}"),
+    Scope(_keys("zero.allgather_bucket_mb"), lambda c, p: p.zero_stage in (1, 2),
+          "to ZeRO-1/2 (parallel.zero_stage=1 or 2)", lambda c, p: f"parallel.zero_stage={p.zero_stage}"),
     Scope(_keys("zero.offload_dir", "zero.offload_chunk_mb"), lambda c, p: c.zero.offload == "disk",
           "with disk offload (zero.offload='disk')", lambda c, p: f"zero.offload={str(c.zero.offload)!r}"),
-    Scope(_keys("ddp"), _ddp, "when DDP reduces the gradients", _no_ddp),
+    Scope(_keys("ddp.bucket_mb", "ddp.find_unused_parameters"), _ddp, "when DDP reduces the gradients", _no_ddp),
     Scope(_keys("precision.init_scale", "precision.growth_interval"), _dynamic,
           "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
           lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
@@ -156,6 +167,38 @@ SCOPES: tuple[Scope, ...] = (
     Scope(_keys("kernels.gqa"), lambda c, p: c.model.n_kv_heads < c.model.n_heads,
           "to grouped-query attention (model.n_kv_heads < model.n_heads)",
           lambda c, p: f"model.n_kv_heads={c.model.n_kv_heads} equals model.n_heads={c.model.n_heads}"),
+    Scope(_keys("data.bucket_multiple"), lambda c, p: c.data.bucketing == "length",
+          "with length bucketing (data.bucketing=length)", lambda c, p: "data.bucketing='none'"),
+    Scope(_keys("ddp.average_every"), lambda c, p: c.ddp.mode == "local-sgd", "to ddp.mode='local-sgd'",
+          lambda c, p: f"ddp.mode={c.ddp.mode!r}"),
+    Scope(_keys("ddp.devices"), lambda c, p: c.ddp.mode in ("dataparallel", "central-storage"),
+          "to ddp.mode='dataparallel' or 'central-storage'", lambda c, p: f"ddp.mode={c.ddp.mode!r}"),
+    Scope(_keys("ddp.consistency", "ddp.staleness"), lambda c, p: c.ddp.mode in ("ps-rank0", "ps-sharded"),
+          "to the parameter-server modes (ddp.mode='ps-rank0' or 'ps-sharded')", lambda c, p: f"ddp.mode={c.ddp.mode!r}"),
+    Scope(_keys("ddp.staleness"), lambda c, p: c.ddp.consistency == "ssp", "to ddp.consistency='ssp'",
+          lambda c, p: f"ddp.consistency={c.ddp.consistency!r}"),
+    Scope(_keys("optim.momentum", "optim.nesterov"), lambda c, p: c.optim.name == "sgd", "to optim.name='sgd'",
+          lambda c, p: f"optim.name={c.optim.name!r}"),
+    Scope(_keys("optim.beta1", "optim.beta2"), lambda c, p: c.optim.name in ("adamw", "adam"),
+          "to optim.name='adamw' or 'adam'", lambda c, p: f"optim.name={c.optim.name!r}"),
+    Scope(_keys("optim.eps"), lambda c, p: c.optim.name != "sgd", "to adamw, adam and adagrad",
+          lambda c, p: "optim.name='sgd'"),
+    Scope(_keys("optim.decay_fraction"), lambda c, p: c.optim.schedule == "wsd", "to optim.schedule='wsd'",
+          lambda c, p: f"optim.schedule={c.optim.schedule!r}"),
+    Scope(_keys("optim.min_lr_ratio", "optim.total_steps"), lambda c, p: c.optim.schedule != "constant",
+          "to the decaying schedules (cosine, linear, wsd)", lambda c, p: "optim.schedule='constant' never decays"),
+    Scope(_keys("optim.warmup_type", "optim.warmup_min_ratio"), lambda c, p: c.optim.warmup_steps > 0,
+          "with a warm-up (optim.warmup_steps > 0)", lambda c, p: "optim.warmup_steps=0"),
+    Scope(_keys("precision.hysteresis", "precision.min_loss_scale"), _dynamic,
+          "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
+          lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
+    Scope(_keys("optim.min_lr_ratio", "optim.total_steps"), lambda c, p: c.optim.schedule != "deepspeed-warmup",
+          "to the decaying schedules", lambda c, p: "optim.schedule='deepspeed-warmup' never decays"),
+    Scope(_keys("precision.consecutive_hysteresis", "precision.growth_delay"), _dynamic,
+          "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
+          lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
+    Scope(_keys("precision.consecutive_hysteresis"), lambda c, p: c.precision.hysteresis > 1,
+          "with precision.hysteresis > 1", lambda c, p: "precision.hysteresis=1 halves at every overflow"),
 )
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.models import cross_entropy_sum, moe_loss_sum
+from tessera.models.moe import key_tokens, mark_padding, moe_layers
 
 IGNORE_INDEX = -100
 
@@ -38,9 +39,15 @@ def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], dp: Com
     return count
 
 
+def counted_targets(y_BS: torch.Tensor) -> torch.Tensor | None:
+    """bool [B, S]: the targets that count, for the MoE routers to leave padding out (None: all count)."""
+    counted_BS = y_BS.ne(IGNORE_INDEX)
+    return None if bool(counted_BS.all()) else counted_BS
+
+
 def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dp: CommGroup,
                      device: torch.device, activation_tracker=None, loss_scale: float = 1.0,
-                     loss_fn=cross_entropy_sum, timer=None) -> StepResult:
+                     loss_fn=cross_entropy_sum, timer=None, rows: tuple[int, int] | None = None) -> StepResult:
     """Accumulate gradients of the global-mean loss over ``batches``; reduce them on the last one only.
 
     ``dp`` is every group of ranks that see different tokens of the step (dp × cp). ``loss_scale``
@@ -48,15 +55,22 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     divides the scale out of the gradients before reading them (``tessera.precision.unscale_``, or a
     sharded engine's ``clip_grad_norm(max_norm, inv_scale)``).
     ``loss_fn(logits, targets, ignore_index) -> (sum, count)``, e.g. the vocabulary-parallel loss under tp.
-    A mixture-of-experts model's routing losses are added as sums (see ``models/moe.py``) but not reported.
+    A mixture-of-experts model's routing losses are added as sums (see ``models/moe.py``) but not reported;
+    its routers leave padding out (``models.moe_tokens.real_tokens``), so padded rows train as they would unpadded.
     ``timer`` (a ``tessera.observe.step_time.StepTimer``) times the forward and backward parts when given.
+    ``rows``: (run seed, the run's sample index of this rank's first row): names each micro-batch's tokens
+    for the MoE routers' noise (``models.moe.key_tokens``), so it is the same on any layout.
     """
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     total_tokens = global_token_count(batches, dp, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    last = len(batches) - 1
+    last, moe = len(batches) - 1, bool(moe_layers(model))
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if rows is not None:  # this micro-batch's rows follow the previous ones' in the run's order
+            key_tokens(model, rows[0], rows[1] + sum(b[0].shape[0] for b in batches[:i]))
+        if moe:
+            mark_padding(model, counted_targets(y))
         sync = i == last or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
@@ -67,6 +81,10 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
             with phase("backward"):
                 (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
         loss_sum += s.detach().double()
+    if rows is not None:
+        key_tokens(model, None)  # later forwards (outside a step) are not these rows
+    if moe:
+        mark_padding(model, None)
     comm.all_reduce(loss_sum, dp)
     return StepResult(loss=float(loss_sum / total_tokens), tokens=int(total_tokens))
 
@@ -78,11 +96,17 @@ def evaluate(model: nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tens
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
+    moe = bool(moe_layers(model))
     for micro_batches in batches:
         for x, y in micro_batches:
-            s, n = loss_fn(model(x.to(device)), y.to(device), ignore_index=IGNORE_INDEX)
+            y = y.to(device)
+            if moe:  # padding takes no expert capacity in evaluation either
+                mark_padding(model, counted_targets(y))
+            s, n = loss_fn(model(x.to(device)), y, ignore_index=IGNORE_INDEX)
             totals[0] += s.double()
             totals[1] += n
+    if moe:
+        mark_padding(model, None)
     comm.all_reduce(totals, dp)
     model.train(was_training)
     return float(totals[0] / totals[1])

@@ -19,23 +19,22 @@ from tqdm import tqdm
 from tessera import comm
 from tessera.comm.ledger import CommLedger
 from tessera.device import peak_memory_bytes, synchronize
-from tessera.models import Transformer
 from tessera.lora.record import adapter_record
-from tessera.models.init import check_materialized
-from tessera.grad_norm import clip_grad_norm
-from tessera.lora import add_lora
-from tessera.parallelize import is_sharded, norm_axes, parallelize, sharded_axes
-from tessera.precision import LossScaler, unscale_
+from tessera.precision import LossScaler
 from tessera.topology import Topology
 from tessera.checkpoint import prune, step_path
 from tessera.train import resume
 from tessera.train.checkpoint import load_training_state, save_training_state
 from tessera.train.config import JobConfig, save_config
-from tessera.train.data import WindowSampler, eval_windows, load_corpus, make_batch
+from tessera.train.data import eval_windows, load_corpus, make_batch
+from tessera.train.data.bucketing import make_sampler
+from tessera.train.assemble import assemble
+from tessera.train.model_build import meta_model, parameter_counts  # meta_model: also imported from here
+from tessera.train.update import StepUpdate
 from tessera.train.memory import MemoryLedger
 from tessera.train.metrics import MetricsWriter, finite
 from tessera.observe.mfu import ModelFlops
-from tessera.train.optim import build_optimizer, build_scheduler, optimizer_factory, param_groups
+from tessera.train.optim import build_scheduler
 from tessera.train.rundir import resolve_run_dir
 from tessera.observe.profile import StepProfiler
 from tessera.train.step import evaluate, forward_backward
@@ -57,30 +56,6 @@ class Interval:
     time_split: dict = field(default_factory=dict)  # part -> seconds summed (train.time_breakdown; step_time)
 
 
-def meta_model(cfg: JobConfig) -> Transformer:
-    """The job's model described on the meta device, nothing allocated: every strategy claims its part
-    (stages, tp slices, experts), then each rank allocates and fills only what it holds
-    (``tessera.parallelize`` / the pipeline; ZeRO-3 its flat shards), with the values one process has:
-    a function of (``run.seed``, parameter name) only (``tessera.models.init``). With ``model.hf`` those
-    values are the folder's safetensors tensors instead, read where each rank's part lies (``tessera.hf``).
-    With ``lora.rank`` > 0 the target linears get adapters (initial values from (seed, name) too) and every
-    other parameter is frozen (``tessera.lora.add_lora``), so every strategy sees the adapted model."""
-    with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.moe, seed=cfg.run.seed)
-    if cfg.model_hf:
-        from tessera.hf.convert import attach_weights
-
-        attach_weights(model, cfg.model_hf)
-    add_lora(model, cfg.lora, cfg.run.seed)
-    return model
-
-
-def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(all parameters, trainable ones): with LoRA the trainable ones are the adapters."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device):
         self.cfg = cfg
@@ -93,20 +68,26 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # the same random streams (dropout) on every rank
         self.core = meta_model(cfg)  # each rank allocates only what it holds, in parallelize / the pipeline
         self.n_params, self.n_trainable = parameter_counts(self.core)  # before ZeRO-3 / tp / ep shard them
-        self._assemble(cfg, device)  # self.model / engine / pipe / optimizer
-        check_materialized(self.model)  # every strategy allocated what it claimed on the meta model
+        parts = assemble(cfg, self.topology, self.core, device,
+                         with_offload_folder(cfg.zero, cfg))  # disk offload: "" becomes <run.out_dir>/offload
+        self.model, self.core, self.engine = parts.model, parts.core, parts.engine  # pipeline: core = its stages
+        self.pipe, self.mode, self.optimizer = parts.pipe, parts.mode, parts.optimizer
         self.tokens_group = tokens_group(self.topology, self.core)  # ranks holding different tokens: dp × cp (× nd)
         self.loss_fn = loss_function(self.topology, self.core)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.skips_hold_lr = cfg.optim.schedule.startswith("deepspeed-")  # as DeepSpeed's engine steps them
         self.scaler = LossScaler.from_config(cfg.precision)
+        self.update = StepUpdate(mode=self.mode, pipe=self.pipe, engine=self.engine, core=self.core,
+                                 optimizer=self.optimizer, scaler=self.scaler, topology=self.topology,
+                                 world=self.world, device=device, grad_clip=cfg.optim.grad_clip)
         self.memory = MemoryLedger(self.core, self.optimizer,
                                    grad_buffers=getattr(self.model, "grad_buffers", ()),
                                    state_fn=self.engine.memory_tensors if self.engine else None)
         self.last_memory = None
         self.corpus = load_corpus(cfg.data, progress=self.is_main and cfg.run.progress)
         d = cfg.data
-        self.sampler = WindowSampler(self.corpus.train, d.seq_len, d.global_batch_size, d.micro_batch_size,
-                                     self.dp.rank, self.dp.size, d.seed)
+        self.sampler = make_sampler(self.corpus, cfg, self.dp.rank, self.dp.size, self.topology.size("tp"),
+                                    self.topology.size("cp"))  # fixed windows, or length buckets
         self.eval_batches = [
             shard_step([make_batch(self.corpus.val, ids, d.seq_len) for ids in micro], self.topology, self.core)
             for micro in eval_windows(self.corpus.val, d.seq_len, d.global_batch_size, d.eval_batches,
@@ -122,34 +103,6 @@ class Trainer:
         found = resume.find_resume(cfg.checkpoint.resume, self.checkpoint_folder)
         if found is not None:
             self._resume(found)
-
-    def _assemble(self, cfg: JobConfig, device: torch.device) -> None:
-        """Every strategy around the meta model: the pipeline (which owns its stages' optimizer), or
-        ``parallelize`` (tp, cp, ep, DDP / ZeRO, precision, recompute, kernels) and the optimizer."""
-        self.engine = self.pipe = None
-        self.zero_cfg = with_offload_folder(cfg.zero, cfg)  # disk offload: "" becomes <run.out_dir>/offload
-        if self.topology.size("pp") > 1:  # the pipeline keeps this rank's stages and owns their optimizer
-            from tessera.train.pipeline_step import PipelineStep
-
-            self.pipe = PipelineStep(self.core, cfg.pipeline, self.topology, device, cfg.optim,
-                                     tensor_parallel=cfg.tensor_parallel, zero=self.zero_cfg, ddp=cfg.ddp,
-                                     precision=cfg.precision, context_parallel=cfg.context_parallel,
-                                     checkpointing=cfg.checkpointing, model_config=cfg.model,
-                                     moe=cfg.moe, kernels=cfg.kernels)  # per stage; dp: ddp or ZeRO
-            self.core = self.model = self.pipe.module
-            self.engine = self.pipe.engine  # ZeRO / master weights: stepped like any sharded engine
-            self.optimizer = self.pipe.optimizer
-        else:
-            self.model = parallelize(self.core, self.topology, cfg.ddp, zero=self.zero_cfg, precision=cfg.precision,
-                                     recompute=cfg.checkpointing,
-                                     param_groups=lambda m: param_groups(m, cfg.optim),  # after tp
-                                     make_optimizer=optimizer_factory(cfg.optim, cfg.kernels.adamw),
-                                     tensor_parallel=cfg.tensor_parallel, context_parallel=cfg.context_parallel,
-                                     device=device, kernels=cfg.kernels)
-            # a ZeRO / mixed-precision engine owns the (sharded) optimizer over fp32 master weights
-            self.engine = self.model if is_sharded(self.model) else None
-            self.optimizer = (self.engine.optimizer if self.engine
-                              else build_optimizer(self.core, cfg.optim, cfg.kernels.adamw))
 
     @functools.cached_property
     def model_flops(self) -> ModelFlops:
@@ -182,7 +135,8 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         for key, value in meta.get("loss_scaler", {}).items():
             setattr(self.scaler, key, value)
-        resume.set_scheduler_step(self.scheduler, self.optimizer, step)
+        resume.set_scheduler_step(self.scheduler, self.optimizer,
+                                  step - (self.scaler.skipped if self.skips_hold_lr else 0))
         if meta.get("world_size") == self.topology.world_size:
             resume.restore_rng_state(meta.get("rng"), self.topology.rank, self.device)
         reached = resume.read_progress(self.run_dir) if self.cfg.checkpoint.resume == "auto" else None
@@ -227,7 +181,8 @@ class Trainer:
         metrics interval (``self.interval``, ``self.comm_mark``) and its line when due. (StepResult, seconds)."""
         log_now = step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
         with self.profiler.step(step):  # a chosen step's trace is written after it, outside its timer
-            result, grad_norm, seconds = self._train_step(track=log_now)
+            result, grad_norm, seconds = self._train_step(
+                track=log_now, drain=self.pipe is None or self.pipe.drains_after(step, self.cfg))
         add_split((interval := self.interval).time_split, self.timer.take())
         if grad_norm is None:
             self._log_skip(step, interval)
@@ -241,87 +196,40 @@ class Trainer:
             self.interval, self.comm_mark = Interval(), self.ledger.stats()
         return result, seconds
 
-    def _train_step(self, track: bool):
+    def _train_step(self, track: bool, drain: bool = True):
         """One optimizer step; when ``track``, also measure saved activations and take a memory snapshot
-        after the update, while gradients (and communication buckets) are still held."""
+        after the update, while gradients (and communication buckets) are still held. ``drain``: a
+        pipeline without a flush empties after this step (else it takes the next step's batches now)."""
         synchronize(self.device)
         t0 = time.perf_counter()
         self.timer.start()
-        batches = shard_step([make_batch(self.corpus.train, ids, self.cfg.data.seq_len)
-                              for ids in self.sampler.next_step()], self.topology, self.core)
+        def fetch():  # the sampler's next step, sharded (a pipeline without a flush fetches one step ahead)
+            return shard_step(self.sampler.next_batches(self.corpus.train), self.topology, self.core)
+        s = self.sampler  # (seed, the run's sample index of this rank's first row): keys the MoE routers' noise
+        early = self.pipe is not None and self.pipe.lookahead.holds_next  # this step's batches came a step ago
+        rows = (self.cfg.run.seed, s.samples_consumed - early * s.global_batch_size
+                + s.dp_rank * (s.global_batch_size // s.dp_size))
+        batches = fetch() if self.pipe is None else self.pipe.take_batches(fetch, drain)
         tracker = self.memory.track_activations if track else None
         if self.pipe is not None:  # a schedule interleaves forwards and backwards: timed together
             with self.timer.phase("forward_backward"):
-                result = self.pipe.forward_backward(batches, activation_tracker=tracker,
-                                                    loss_scale=self.scaler.scale)
+                result = self.pipe.forward_backward(batches, activation_tracker=tracker, loss_scale=self.scaler.scale,
+                                                    rows=(*rows, s.global_batch_size) if self.cfg.model.num_experts
+                                                    else None)
         else:
-            result = forward_backward(self.model, batches, self.tokens_group, self.device, activation_tracker=tracker,
-                                      loss_scale=self.scaler.scale, loss_fn=self.loss_fn, timer=self.timer)
+            step_group = (self.mode and self.mode.step_group) or self.tokens_group  # async ps: this rank alone
+            result = forward_backward(self.model, batches, step_group, self.device, activation_tracker=tracker,
+                                      loss_scale=self.scaler.scale, loss_fn=self.loss_fn, timer=self.timer,
+                                      rows=rows if self.cfg.model.num_experts else None)
         with self.timer.phase("optimizer"):
-            grad_norm = self._update()
-            self.scheduler.step()
+            grad_norm = self.update()
+            if grad_norm is not None or not self.skips_hold_lr:  # DeepSpeed's schedules wait out a skipped step
+                self.scheduler.step()
         if track:
             self.last_memory = self.memory.snapshot(peak_memory_bytes(self.device))
-        if self.engine is not None:
-            self.engine.zero_grad()
-        elif self.pipe is not None:
-            self.pipe.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.update.zero_grad()
         synchronize(self.device)
         return result, grad_norm, time.perf_counter() - t0
-
-    def _update(self) -> float | None:
-        """Clip and step on any layout; the norm, or None when the step was skipped."""
-        if self.pipe is not None:
-            return self._pipeline_update()
-        if self.engine is not None:
-            return self._engine_update()
-        if not self._unscaled():  # with a loss scale: inf/nan gradients on any rank skip the step everywhere
-            return None
-        # device given: a rank with no gradient still joins the norm's all-reduces
-        grad_norm = clip_grad_norm(self.core.parameters(), norm_axes(self.topology), self.cfg.optim.grad_clip,
-                                   axes_of=sharded_axes(self.core, self.topology), device=self.device)
-        self.optimizer.step()
-        return grad_norm
-
-    def _engine_update(self) -> float | None:
-        """Unscale, check for inf/nan on every rank, clip by the global norm over all shards, step.
-        Returns the norm, or None when the step was skipped (the loss scale is then halved)."""
-        scale = self.scaler.scale
-        norm, finite = self.engine.clip_grad_norm(self.cfg.optim.grad_clip, inv_scale=1.0 / scale)
-        if not self.scaler.update(finite):
-            return None
-        self.engine.step()
-        return norm
-
-    def _pipeline_update(self) -> float | None:
-        """The pipeline's update: PipeDream async did it inside the schedule, after every backward (the
-        step counts as skipped if any of those was); otherwise like any other layout, through the engine
-        when one holds the optimizer. Returns the norm, or None when the step was skipped."""
-        if self.pipe.steps_inside:
-            return self.pipe.clip_grad_norm(0.0) if self._unscaled() else None
-        if self.engine is not None:
-            return self._engine_update()
-        if not self._unscaled():
-            return None
-        grad_norm = self.pipe.clip_grad_norm(self.cfg.optim.grad_clip)
-        self.pipe.step()
-        return grad_norm
-
-    def _unscaled(self) -> bool:
-        """Without a loss scale: True (nothing to undo). With one: divide the gradients by it (before the
-        norm, clipping and the step), agree job-wide whether they are finite and record that in the
-        scaler; False means this step is skipped. (A sharded engine does this in ``clip_grad_norm``.)"""
-        if not self.scaler.active:
-            return True
-        inv_scale = 1.0 / self.scaler.scale
-        if self.pipe is not None:
-            finite = self.pipe.unscale_gradients(inv_scale)
-        else:
-            grads = [p.grad for p in self.core.parameters() if p.grad is not None]
-            finite = unscale_(grads, inv_scale, [self.world], self.device)
-        return self.scaler.update(finite)
 
     def _log_skip(self, step: int, interval: Interval) -> None:
         """A skipped step is never silent: a line on rank 0 now, and ``skipped_at`` / ``skipped_steps``
@@ -333,6 +241,8 @@ class Trainer:
 
     # ---- reporting -----------------------------------------------------------------------------
     def _validate(self, step: int) -> float:
+        if self.mode is not None:
+            self.mode.before_eval()
         if self.pipe is not None:
             loss = self.pipe.evaluate(self.eval_batches)
         else:
@@ -359,6 +269,7 @@ class Trainer:
 
             # collective (pp, dp × cp): every stage's routing counters since the last log
             moe = moe_metrics(self.core, [self.topology.group("pp"), self.tokens_group], self.cfg.model)
+        padding = self.sampler.take_padding()  # padded target positions ÷ all, every rank's step counted
         if not self.metrics:
             return
         per_step = {key: {field: value / interval.steps for field, value in stat.items()}
@@ -369,7 +280,9 @@ class Trainer:
             **self.model_flops.fields(interval.tokens / interval.seconds),
             "grad_norm": finite(interval.grad_norm), "comm_per_step": per_step, "memory": memory,
             "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped,
-            "skipped_at": interval.skipped_at, **moe, **split_fields(interval.time_split, interval.steps),
+            "skipped_at": interval.skipped_at, "padding_fraction": padding, **moe,
+            **split_fields(interval.time_split, interval.steps),
+            **self._mode_stats(),  # async parameter server: staleness so far
         })
 
     def _save_checkpoint(self, step: int, interval: Interval, val_start: float) -> str | None:
@@ -398,7 +311,7 @@ class Trainer:
                                   if train_lines else None),
             "comm_total": CommLedger.as_dict(self.ledger.stats()), "checkpoint": checkpoint,
             "memory_per_rank": train_lines[-1]["memory"] if train_lines else None,
-            "skipped_steps": self.scaler.skipped, **self.timeline, **self.resumed,
+            "skipped_steps": self.scaler.skipped, **self.timeline, **self.resumed, **self._mode_stats(),
         }
         if self.metrics:
             self.metrics.write_summary(summary)
@@ -406,6 +319,11 @@ class Trainer:
             self.metrics.close()
         return summary
 
+    def _mode_stats(self) -> dict:
+        return self.mode.stats() if self.mode is not None else {}
+
     def close(self) -> None:
+        if self.mode is not None:
+            self.mode.close()
         self.topology.destroy()
 

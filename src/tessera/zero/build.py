@@ -14,9 +14,10 @@ from tessera.precision.frozen import hold_frozen
 from tessera.topology import Topology
 from tessera.zero.config import OffloadMode, ZeroConfig
 from tessera.zero.offload import OffloadFolder, chunk_elements
+from tessera.zero.offload.overlap import overlap_host_copies
 from tessera.zero.stage12 import ZeroDataParallel
 from tessera.zero.stage3 import FullyShardedDataParallel
-from tessera.zero.wrap import Policy, class_policy, manual_policy, size_policy
+from tessera.zero.wrap import Policy, class_policy, config_policy, manual_policy, size_policy
 
 
 def wrap_policy(cfg: ZeroConfig, block_class: type | None, model: nn.Module | None = None) -> Policy:
@@ -26,8 +27,9 @@ def wrap_policy(cfg: ZeroConfig, block_class: type | None, model: nn.Module | No
         head = getattr(model, "output", None)
         by_class = class_policy(block_class, nn.Embedding)
         return lambda m, unwrapped: by_class(m, unwrapped) or (head is not None and m is head)
-    if cfg.wrap_policy == "manual":
-        return manual_policy
+    if cfg.wrap_policy == "manual":  # the modules zero.wrap_paths / wrap_classes list, else wrap()'s marks
+        return config_policy(model, cfg.wrap_paths, cfg.wrap_classes) if cfg.wrap_paths or cfg.wrap_classes \
+            else manual_policy
     return size_policy(cfg.min_params)
 
 
@@ -86,13 +88,21 @@ def build_engine(model: nn.Module, param_groups: list[dict], make_optimizer, sha
     if stage <= 2:
         hold_frozen(model.parameters() if frozen is None else frozen, precision.param_dtype)
         engine = ZeroDataParallel(model, param_groups, make_optimizer, shard, replicate, max(stage, 1),
-                                  bucket_mb=zero.bucket_mb, hooks=not manual, **dtypes, **extra)
-        return offload_to_disk(engine, zero) if mode == "disk" else engine
+                                  bucket_mb=zero.bucket_mb, hooks=not manual,
+                                  allgather_bucket_mb=zero.allgather_bucket_mb, **dtypes, **extra)
+        return offload_to_disk(engine, zero) if mode == "disk" else offload_to_host(engine, mode, device)
     engine = FullyShardedDataParallel(model, param_groups, make_optimizer, shard, replicate,
                                       wrap_policy(zero, block_class, model), device,
                                       reshard_after_forward=zero.reshard_after_forward, prefetch=zero.prefetch,
+                                      prefetch_params=zero.prefetch_params, max_live_params=zero.max_live_params,
                                       manual=manual, frozen=frozen, **dtypes, **extra)
-    return offload_to_disk(engine, zero) if mode == "disk" else engine
+    return offload_to_disk(engine, zero) if mode == "disk" else offload_to_host(engine, mode, device)
+
+
+def offload_to_host(engine: nn.Module, mode: OffloadMode, device: torch.device) -> nn.Module:
+    """``zero.offload = "host"``: the gradient and parameter copies overlap compute
+    (:mod:`tessera.zero.offload.overlap`)."""
+    return overlap_host_copies(engine, device) if mode == "host" else engine
 
 
 def offload_to_disk(engine: nn.Module, zero: ZeroConfig) -> nn.Module:

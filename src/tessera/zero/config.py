@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.errors import ConfigError
 
@@ -58,6 +58,11 @@ class ZeroConfig:
     prefetch: UnitCount = 1  # ZeRO-3: units gathered ahead of the one computing (0 = none; true/false = 1/0)
     wrap_policy: str = "block"  # ZeRO-3 units: "block" (each transformer block), "size" (min_params) or "manual" (wrap())
     min_params: int = 100_000  # ZeRO-3 "size" policy: a module with at least this many parameters is a unit
+    allgather_bucket_mb: float = 0.0  # ZeRO-1/2: parameter all-gather bucket size cap after the step (0: bucket_mb)
+    prefetch_params: int = 0  # ZeRO-3: prefetch units ahead until this many parameters are in flight (0: zero.prefetch units)
+    max_live_params: int = 0  # ZeRO-3: gathered parameters held at once, at most (0: no limit)
+    wrap_paths: list[str] = field(default_factory=list)  # ZeRO-3 "manual" policy from the config: module paths ("layers.0", "layers.*")
+    wrap_classes: list[str] = field(default_factory=list)  # ZeRO-3 "manual" policy from the config: module class names
 
     def __post_init__(self):
         self.offload = OffloadMode(self.offload)  # ZeroConfig(offload=True) as "host"
@@ -78,4 +83,10 @@ class ZeroConfig:
                               f"got '{self.offload}'")
         if self.offload_chunk_mb <= 0:
             raise ConfigError(f"zero.offload_chunk_mb must be positive, got {self.offload_chunk_mb}")
+        for key in ("allgather_bucket_mb", "prefetch_params", "max_live_params"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"zero.{key} must be 0 (see docs/CONFIG.md) or positive, got {getattr(self, key)}")
+        for key in ("wrap_paths", "wrap_classes"):  # matched against the model by tessera.train.wrap_check.check_wrap_config
+            if not all(name.strip() for name in getattr(self, key)):
+                raise ConfigError(f"zero.{key} holds an empty name: {getattr(self, key)!r}")
         return self

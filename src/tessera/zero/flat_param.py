@@ -106,7 +106,8 @@ class FlatParam:
                 self.wait()
             return
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        source = self.shard.param.to(self.device, non_blocking=True)
+        source = (self.shard.param.to(self.device, non_blocking=True) if self.shard.copies is None
+                  else self.shard.copies.to_device(self.shard.param))  # host offload: on a side stream
         # .data: writing the gathered values must not bump the version counter autograd checks
         self.pending = comm.all_gather(self.full.data, source, self.group_shard, async_op=True)
         self.gathered = True

@@ -17,7 +17,6 @@ from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.data_parallel.buckets import Bucket
 from tessera.data_parallel.reducer import Reduction
-from tessera.zero.flat import rank_slice
 from tessera.zero.shards import Shard
 
 
@@ -44,6 +43,8 @@ class SliceReduction:
 
 def accumulate(shard: Shard, out: torch.Tensor) -> None:
     """Add a reduced slice into ``shard.grad`` (kept where the shard's parameters live)."""
+    if shard.copies is not None:  # host offload: copied to the host beside the rest of backward
+        return shard.copies.add_grad(shard, out)
     out = out.to(shard.param.device, non_blocking=True)
     if shard.grad is None:
         shard.grad = out
@@ -53,19 +54,24 @@ def accumulate(shard: Shard, out: torch.Tensor) -> None:
 
 class ZeroReduction(Reduction):
     """ZeRO-1/2 bucket reduction: ``shard_of[bucket]`` is this rank's Shard of that gradient bucket (keyed
-    by the bucket itself: the reducer launches buckets in arrival order, not in build order).
+    by the bucket itself: the reducer launches buckets in arrival order, not in build order). Both keep
+    the reduced slice in ``shard.grad`` [P/N] (reduce dtype) and drop each bucket's full gradient buffer
+    [P] once its reduction is complete.
 
-    ZeRO-1 keeps the full gradient buffers (the reduced slice is written into this rank's part of the
-    buffer and ``shard.grad`` is a view of it) and reduces once per optimizer step: ``no_sync``
-    accumulates micro-batches locally, and a second synchronised pass before ``zero_grad`` is an error.
-    ZeRO-2 reduces every backward into a persistent slice and frees each bucket's full gradient once
+    ZeRO-1 reduces once per optimizer step: ``no_sync`` accumulates micro-batches in the full local
+    gradients (``p.grad``, views into the bucket during the synchronised pass), and a second synchronised
+    pass before ``zero_grad`` is an error. Its buffers are completed at the end of backward, then freed
+    with every ``p.grad`` (DeepSpeed's stage 1 likewise keeps only the partition once reduced), so from
+    the reduction to the next backward it holds P/N gradients, not P.
+    ZeRO-2 reduces every backward into the persistent slice and frees each bucket's full gradient once
     its reduce-scatter is complete (eagerly, when the next bucket launches; see ``Reduction.eager`` for how
     many are alive at once: at most 3 in tests/test_zero_accounting.py)."""
 
     def __init__(self, stage: int, slices: SliceReduction, shard_of: dict[Bucket, Shard]):
         self.stage, self.slices, self.shard_of = stage, slices, shard_of
         self.keeps_views = stage == 1
-        self.releases = self.eager = stage == 2
+        self.releases = True
+        self.eager = stage == 2
         self.reduced = False  # ZeRO-1: this step's gradients were reduced already
 
     def begin(self) -> None:
@@ -77,14 +83,10 @@ class ZeroReduction(Reduction):
         return self.slices.start(bucket.buffer)
 
     def complete(self, bucket: Bucket, pending: object) -> None:
-        out = self.slices.finish(pending)
-        shard = self.shard_of[bucket]
-        if self.stage == 1:  # the reduced slice lives inside the full buffer: no extra copy held
-            mine = rank_slice(bucket.buffer, self.slices.shard.rank, self.slices.shard.size)
-            mine.copy_(out)
-            shard.grad = mine
-        else:
-            accumulate(shard, out)
+        accumulate(self.shard_of[bucket], self.slices.finish(pending))
+        if self.keeps_views:  # ZeRO-1: the full gradients go with the buffer (``releases`` drops it)
+            for p in bucket.params:
+                p.grad = None
 
     def end(self) -> None:
         self.reduced = self.stage == 1

@@ -26,6 +26,7 @@ from tessera.comm.group import CommGroup
 from tessera.grad_norm import GradPiece, clip_grad_norm
 from tessera.precision.unscale import agree_finite, nonfinite
 from tessera.zero.offload import OffloadFolder, disk_master, for_disk_masters, on_disk
+from tessera.zero.offload.overlap import land_grads
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class Shard:
     # (start, end, extra sharded axes) per parameter part of the slice, for the global norm; None: the
     # whole slice, sharded over the shard group only
     segments: list[tuple[int, int, frozenset]] | None = None
+    copies: object | None = None  # host offload: its HostCopies (tessera.zero.offload.overlap), else None
 
 
 def make_master(param_shard: torch.Tensor, offload_device: torch.device | None) -> nn.Parameter:
@@ -96,6 +98,7 @@ class ShardedUpdate:
     def prepare_grads(self, inv_scale: float) -> bool:
         """master.grad = fp32(grad) / loss scale (on the master's device); returns whether all ranks'
         gradients are finite (one tiny all-reduce per check group)."""
+        land_grads(self.shards)  # host offload: the gradient copies still in flight land here
         for s in self.shards:
             g = s.grad if s.grad is not None else torch.zeros_like(s.param)
             g32 = g.to(s.master.device, dtype=torch.float32, non_blocking=True)
@@ -138,10 +141,10 @@ class ShardedUpdate:
                 s.param.copy_(s.master.detach(), non_blocking=True)
 
     def zero_grad(self) -> None:
+        land_grads(self.shards)  # no copy in flight may land after the zeros
         for s in self.shards:
             s.master.grad = None
-            if s.grad is not None:
-                s.grad.zero_()
+            s.grad = None  # the next reduced slice takes its place (no zeroing, no adding into zeros)
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Model-state tensors this rank holds, by MemoryLedger category (masters count as optimizer

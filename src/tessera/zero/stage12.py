@@ -9,11 +9,13 @@ Forward communication: none. Backward communication: one reduce-scatter (sum) pe
 ``dp_shard``, launched from the gradient hooks as soon as the bucket is full (in one fixed order on every
 rank: the order backward is expected to fill the buckets), then, with hybrid sharding, an all-reduce of
 the slice over ``dp_replicate`` — the data-parallel reducer (``tessera.data_parallel.reducer``) with
-ZeRO's reduction (``tessera.zero.reduce``). After the step: one all-gather per bucket of the updated
-slices. Per step (N-1)/N·S + (N-1)/N·S = DDP's all-reduce.
+ZeRO's reduction (``tessera.zero.reduce``). After the step: the all-gather of the updated slices, one
+per reduce bucket or in all-gather buckets of their own size (``tessera.zero.gather``). Per step
+(N-1)/N·S + (N-1)/N·S = DDP's all-reduce.
 
-ZeRO-1 keeps the full gradient buffers (its reduced slice is a view into them) and reduces once per
-optimizer step (``no_sync`` accumulates micro-batches locally). ZeRO-2 reduces every backward into a
+ZeRO-1 reduces once per optimizer step (``no_sync`` accumulates micro-batches in the full local
+gradients), keeps the reduced slice and frees the full gradient buffers once reduced (the next
+synchronised backward makes new ones), so between steps it holds only the slice. ZeRO-2 reduces every backward into a
 persistent gradient slice and frees each bucket's full gradient once its reduce-scatter is done
 (completed when the next bucket launches; buckets launch in the order backward fills them, so about two
 buckets of full gradients exist at a time, plus, with a second param group, its small bucket of vectors,
@@ -33,6 +35,7 @@ from tessera.comm.group import CommGroup
 from tessera.data_parallel.buckets import Bucket, build_buckets, in_arrival_order
 from tessera.data_parallel.reducer import GradReducer
 from tessera.zero.flat import flatten_fp32, rank_slice, slice_segments
+from tessera.zero.gather import ParamGather
 from tessera.zero.reduce import SliceReduction, ZeroReduction
 from tessera.zero.shards import Shard, ShardedUpdate, make_master
 
@@ -62,13 +65,14 @@ class ZeroDataParallel(nn.Module):
     Under tensor parallelism each tp rank runs its own engine over its own slices of the weights;
     ``norm_axes`` (e.g. ``{"tp": group}``) and ``param_axes(p) -> frozenset`` (the axes among them that
     ``p`` is split on) make the clipping norm count every element of the job once. ``hooks=False``: no
-    reduction during backward, only :meth:`reduce_gradients` (a pipeline schedule's many backwards)."""
+    reduction during backward, only :meth:`reduce_gradients` (a pipeline schedule's many backwards).
+    ``allgather_bucket_mb``: bytes gathered per all-gather after the step (0: one per reduce bucket)."""
 
     def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
                  replicate: CommGroup, stage: int, bucket_mb: float = 25.0,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
                  offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
-                 param_axes=None, hooks: bool = True):
+                 param_axes=None, hooks: bool = True, allgather_bucket_mb: float = 0.0):
         super().__init__()
         self._param_axes = param_axes
         if stage not in (1, 2):
@@ -81,6 +85,8 @@ class ZeroDataParallel(nn.Module):
         grads = build_buckets(list(reversed(order)), int(bucket_mb * 2**20), lambda p: group_of[id(p)],
                               pad_to=shard.size)
         self.buckets = [self._make_bucket(b, param_dtype, offload_device) for b in grads]
+        self.gather = ParamGather([b.flat for b in self.buckets], [b.shard.param for b in self.buckets], shard,
+                                  int(allgather_bucket_mb * 2**20) if allgather_bucket_mb > 0 else None)
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.update = ShardedUpdate([b.shard for b in self.buckets], options, make_optimizer, shard,
                                     [shard, replicate, *(norm_axes or {}).values()],
@@ -142,24 +148,24 @@ class ZeroDataParallel(nn.Module):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Every rank's full parameters from the owners' slices (one all-gather per bucket)."""
-        handles = []
-        for b in self.buckets:
-            handles.append(comm.all_gather(b.flat, b.shard.param.clone(), self.shard_group, async_op=True))
-        for h in handles:
-            h.wait()
+        """Every rank's full parameters from the owners' slices (``tessera.zero.gather``)."""
+        self.gather.run()
 
     def zero_grad(self) -> None:
         self.update.zero_grad()
         for b in self.buckets:
-            if b.grads.buffer is not None:
-                b.grads.buffer.zero_()
+            b.grads.buffer = None  # normally gone already: dropped once reduced
+            if self.stage == 1:  # micro-batches accumulated under no_sync and never reduced
+                for p in b.params:
+                    p.grad = None
         self.reduction.reduced = False
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = self.update.tensors()
         out["params"] = [b.flat for b in self.buckets]
         out["grads"] = [b.grads.buffer for b in self.buckets] + out["grads"]
+        if self.stage == 1:  # full gradients accumulated under no_sync, before their reduction
+            out["grads"] += [p.grad for b in self.buckets for p in b.params if p.grad is not None]
         return out
 
     def flat_shards(self) -> list[tuple[torch.Tensor, int, list[tuple[str, tuple, int]]]]:

@@ -17,6 +17,8 @@ encloses every other unit's, so it stays gathered through the forward until its 
 (with the ``block`` wrap policy it holds only the final norm). ``reshard_after_forward=False`` (per
 unit through ``wrap()``, or for all) keeps a unit gathered from its forward to its backward: one
 all-gather per step instead of two, and every such unit's full parameters held between the passes.
+``prefetch_params`` (prefetch by parameters, not units) and ``max_live_params`` (a cap on the parameters
+gathered at once, releasing units not in use): ``tessera.zero.live``.
 
 Dtypes, with parameters in a low precision (``param_dtype`` bf16 / fp16): the shard ``shard.param`` [n],
 the all-gathered unit ``full`` [P] and its gradient ``full.grad`` [P] are in ``param_dtype`` (an
@@ -69,6 +71,7 @@ from tessera.comm.group import CommGroup
 from tessera.models.init import materialize_buffers
 from tessera.zero.flat import named_params_by_id, slice_segments
 from tessera.zero.flat_param import FlatParam
+from tessera.zero.live import LivePolicy
 from tessera.zero.reduce import SliceReduction
 from tessera.zero.shards import ShardedUpdate
 from tessera.zero.wrap import Policy, select_units, unit_settings
@@ -121,14 +124,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, param_groups: list[dict], make_optimizer, shard: CommGroup,
                  replicate: CommGroup, policy: Policy, device: torch.device,
-                 reshard_after_forward: bool = True, prefetch: int = 1,
-                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
+                 reshard_after_forward: bool = True, prefetch: int = 1, prefetch_params: int = 0,
+                 max_live_params: int = 0, param_dtype: torch.dtype = torch.float32, reduce_dtype=None,
                  offload_device: torch.device | None = None, norm_axes: dict[str, CommGroup] | None = None,
                  param_axes=None, manual: bool = False, frozen=None):
-        """``prefetch``: how many units ahead to gather (0 = none; ``True``/``False`` read as 1/0).
-        ``norm_axes`` / ``param_axes``: as for ZeroDataParallel (tensor parallelism underneath).
-        ``manual``: reduce only in :meth:`reduce_gradients` (see the module docstring).
-        ``frozen``: the parameters needing no gradient this engine shards (default: all of ``module``'s)."""
+        """``prefetch`` (units; ``True``/``False`` = 1/0), ``prefetch_params``, ``max_live_params``: gathering
+        ahead and its limit (``tessera.zero.live``); ``norm_axes`` / ``param_axes``: as for ZeroDataParallel;
+        ``manual``: reduce only in :meth:`reduce_gradients`; ``frozen``: the frozen parameters it shards."""
         super().__init__()
         self.module, self.manual = module, manual
         self.shard_group, self.replicate_group = shard, replicate
@@ -170,8 +172,9 @@ class FullyShardedDataParallel(nn.Module):
             for owner in {id(o): o for f in self.units[0].flats for locs in f.locations for o, _ in locs}.values():
                 owner.register_forward_pre_hook(lambda mod, args: self._use_root())
         self.order: list[Unit] = []  # forward order, recorded on the first forward
+        self.live = LivePolicy(self.units, self.prefetch, 0 if manual else prefetch_params, max_live_params)
         self._pending: list = []  # (flat, pending reduction) in launch order
-        self._queued = False
+        self._queued, self._active = False, set()  # _active: the units inside their forward
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self.flats = [f for u in self.units for f in u.flats if f.trainable]  # reduced, with masters
         self.frozen_flats = [f for u in self.units for f in u.frozen]
@@ -186,17 +189,20 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_forward(self, unit: Unit, args: tuple):
         if not unit.in_backward and unit not in self.order:
             self.order.append(unit)
+        self._active.add(unit)
+        self.live.make_room(unit, self.order, self._busy)
         unit.gather()
         unit.use_views()
-        if self.prefetch and not unit.in_backward:
-            i = self.order.index(unit)
-            for ahead in self.order[i + 1 : i + 1 + self.prefetch]:
+        if self.live.active and not unit.in_backward:
+            for ahead in self.live.ahead(self.order[self.order.index(unit) + 1 :]):
                 ahead.gather(async_op=True)
+        self.live.record()
         if unit.frozen and not unit.is_root and not unit.in_backward and torch.is_grad_enabled():
             return _on_backward(args, lambda: self._after_backward(unit))  # new args, or None: unchanged
         return None
 
     def _post_forward(self, unit: Unit, out):
+        self._active.discard(unit)
         if unit.in_backward:  # a recomputation inside backward: keep the parameters for the backward
             return out
         if torch.is_grad_enabled():
@@ -218,14 +224,20 @@ class FullyShardedDataParallel(nn.Module):
         if unit.in_backward:
             return
         unit.in_backward = True
+        self.live.make_room(unit, self.order, self._busy)
         unit.gather()
         unit.use_views()
-        if self.prefetch and unit in self.order:
+        if self.live.active and unit in self.order:
             # the units whose backward comes next: earlier in forward order, gradient not yet reduced
             # (e.g. the root, whose final norm's gradient arrives first, is not gathered again)
             before = [u for u in reversed(self.order[: self.order.index(unit)]) if not u.done_backward()]
-            for behind in before[: self.prefetch]:
+            for behind in self.live.ahead(before):
                 behind.gather(async_op=True)
+        self.live.record()
+
+    def _busy(self, unit: Unit) -> bool:
+        """In use: inside its forward, or its backward begun and its gradient not yet reduced."""
+        return unit in self._active or (unit.in_backward and not unit.done_backward())
 
     def _after_backward(self, unit: Unit) -> None:
         """The unit's input gradients exist, so its backward is over: free its frozen flats, which no
@@ -236,6 +248,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_backward(self, unit: Unit, flat: FlatParam) -> None:
         if self.manual:  # the gradient stays in full.grad, accumulating until reduce_gradients
+            flat.reduced = True  # (its gradient of this backward arrived: the unit is no longer in use)
             if unit.reshard_after_forward:
                 flat.reshard()
             return
@@ -261,6 +274,8 @@ class FullyShardedDataParallel(nn.Module):
                 u.in_backward = False
                 if u.reshard_after_forward:
                     u.reshard()
+            for f in self.flats:
+                f.reduced = False
             self._queued = False
             return
         for f in self.flats:

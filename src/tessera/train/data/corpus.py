@@ -28,7 +28,7 @@ from tessera.train.data.documents import read_text_bytes as _read_text
 from tessera.train.data.files import built_once, temp_writer, write_json
 from tessera.train.data.prepare import is_prepared, prepare, read_prepared
 from tessera.train.data.sft import SFTExamples, check_prompts_fit, open_sft_split
-from tessera.train.data.shards import TokenStream, open_split
+from tessera.train.data.shards import TokenStream, document_offsets, open_split
 from tessera.train.data.tokenizer import ByteTokenizer, check_tokenizer_spec, load_tokenizer
 
 _FORMAT = 1  # bump when the cache layout or split rule changes, so old caches are not reused
@@ -51,10 +51,14 @@ class DataConfig:
     micro_batch_size: int = 4
     seed: int = 0
     eval_batches: int = 8
+    bucketing: str = "none"  # "length": a step's rows are documents of similar length (data/bucketing.py)
+    bucket_multiple: int = 8  # with bucketing, a step's length is rounded up to a multiple of this
 
     def validate(self) -> None:
         """Raise ConfigError for a value that cannot work."""
-        for name in ("seq_len", "global_batch_size", "micro_batch_size", "eval_batches"):
+        if self.bucketing not in ("none", "length"):
+            raise ConfigError(f"data.bucketing must be 'none' or 'length', got {self.bucketing!r}")
+        for name in ("seq_len", "global_batch_size", "micro_batch_size", "eval_batches", "bucket_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"data.{name} must be a positive integer, got {value!r}")
@@ -252,6 +256,8 @@ def _token_corpus(cfg: DataConfig, folder: str, meta: Dict[str, object]) -> Corp
     _check_lengths(cfg, {split: int(splits[split]["tokens"]) for split in ("train", "val")})
     train, val = (open_split(folder, splits[split]["shards"], split, np.dtype(str(meta["dtype"])))
                   for split in ("train", "val"))
+    if cfg.bucketing != "none":  # length buckets are made of documents
+        train.doc_offsets = document_offsets(folder, splits["train"]["shards"], "train")
     return Corpus(train=train, val=val, meta=meta, path=folder)  # type: ignore[arg-type]
 
 

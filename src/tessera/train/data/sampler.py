@@ -38,6 +38,8 @@ def _check_rank(dp_rank: int, dp_size: int) -> None:
 def _n_windows(data: Split, seq_len: int, what: str) -> int:
     if isinstance(data, SFTExamples):
         return data.n_examples
+    if hasattr(data, "n_rows"):  # document rows of length bucketing (tessera.train.data.bucketing)
+        return int(data.n_rows)  # type: ignore[union-attr]
     n_tokens = data if isinstance(data, (int, np.integer)) else len(data)
     n = (int(n_tokens) - 1) // seq_len
     if n < 1:
@@ -81,6 +83,7 @@ class WindowSampler:
         # grow memory, and a step spans at most two epochs.
         self._perm_epoch: Optional[int] = None
         self._perm: Optional[np.ndarray] = None
+        self.padded = self.positions = 0  # target positions (padding, all) of the steps since take_padding()
 
     @property
     def accum_steps(self) -> int:
@@ -119,9 +122,36 @@ class WindowSampler:
             out[sel] = self._permutation(int(e))[idx[sel] % self.n_windows]
         return out
 
-    def _rank_step(self, start: int) -> List[np.ndarray]:
-        ids = self._windows(start, self.global_batch_size)
+    def _split(self, ids: np.ndarray) -> List[np.ndarray]:
         return _split_rank(ids, self.dp_rank, self.dp_size, self.micro_batch_size)
+
+    def _rank_step(self, start: int) -> List[np.ndarray]:
+        return self._split(self._windows(start, self.global_batch_size))
+
+    def _make_step(self, split, start: int) -> Tuple[List[Tuple[torch.Tensor, torch.Tensor]], int, int]:
+        """(this rank's micro-batches, padded target positions of the whole step, all its positions)."""
+        ids = self._windows(start, self.global_batch_size)
+        padded = 0
+        if isinstance(split, SFTExamples):  # an example shorter than seq_len + 1 tokens is padded
+            length = np.minimum(split.offsets[ids + 1] - split.offsets[ids], self.seq_len + 1)
+            padded = int((self.seq_len - (length - 1)).sum())
+        return ([make_batch(split, m, self.seq_len) for m in self._split(ids)], padded,
+                self.seq_len * len(ids))
+
+    def next_batches(self, split) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (inputs, targets) of the next step, cut from ``split``; advances and
+        counts the step's padding (over every rank: the step's rows are known to each)."""
+        batches, padded, positions = self._make_step(split, self.samples_consumed)
+        self.samples_consumed += self.global_batch_size
+        self.padded += padded
+        self.positions += positions
+        return batches
+
+    def take_padding(self) -> float:
+        """Padded target positions ÷ all target positions of the steps since the last call; resets."""
+        fraction = self.padded / self.positions if self.positions else 0.0
+        self.padded = self.positions = 0
+        return fraction
 
     def next_step(self) -> List[np.ndarray]:
         """This rank's micro-batches (int64 window ids each) for the next step; advances."""
@@ -136,7 +166,7 @@ class WindowSampler:
     def state_dict(self) -> Dict[str, object]:
         return {"samples_consumed": self.samples_consumed, "seed": self.seed,
                 "n_windows": self.n_windows, "shuffle": self.shuffle,
-                "global_batch_size": self.global_batch_size}
+                "global_batch_size": self.global_batch_size, "padding": [self.padded, self.positions]}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         """Resume where ``state`` left off; refuse a state whose data order would differ."""
@@ -145,6 +175,7 @@ class WindowSampler:
                 raise ConfigError(f"cannot resume the data sampler: checkpoint has {name}="
                                   f"{state[name]!r} but this run has {getattr(self, name)!r}")
         self.samples_consumed = int(state["samples_consumed"])  # type: ignore[arg-type]
+        self.padded, self.positions = (int(v) for v in state.get("padding", (0, 0)))  # type: ignore[union-attr]
 
 
 def make_batch(tokens: Union[np.ndarray, TokenStream, SFTExamples], window_ids: Sequence[int], seq_len: int

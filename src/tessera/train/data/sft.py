@@ -123,13 +123,21 @@ class SFTExamples:
         """Inputs and targets, int64 [B, S], of examples ``ids``: prompt targets and padding IGNORE_INDEX."""
         ids = np.asarray(ids, dtype=np.int64)
         start, length = self.offsets[ids], self.offsets[ids + 1] - self.offsets[ids]  # [B] each
-        pos = np.arange(seq_len + 1, dtype=np.int64)[None, :]  # [1, S + 1]
-        inside = pos < length[:, None]  # [B, S + 1]
-        tok_BS1 = np.asarray(self.tokens[start[:, None] + np.minimum(pos, length[:, None] - 1)], dtype=np.int64)
-        tok_BS1[~inside] = self.eot
-        counted = inside & (pos >= self.prompts[ids][:, None])
-        target_BS1 = np.where(counted, tok_BS1, IGNORE_INDEX)
-        return torch.from_numpy(tok_BS1[:, :-1].copy()), torch.from_numpy(target_BS1[:, 1:].copy())
+        return padded_rows(self.tokens, start, length, self.prompts[ids], seq_len, self.eot)
+
+
+def padded_rows(tokens, start: np.ndarray, length: np.ndarray, counted_from: np.ndarray, seq_len: int,
+                pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets, int64 [B, S] (S = ``seq_len``), of rows ``tokens[start : start + length]`` cut at
+    S + 1 tokens, left-aligned: inputs past a row's end are ``pad``; a target counts when its position t + 1
+    is inside the row and at least ``counted_from`` (a prompt's length), else it is IGNORE_INDEX."""
+    pos = np.arange(seq_len + 1, dtype=np.int64)[None, :]  # [1, S + 1]
+    inside = pos < length[:, None]  # [B, S + 1]
+    tok_BS1 = np.asarray(tokens[start[:, None] + np.minimum(pos, length[:, None] - 1)], dtype=np.int64)
+    tok_BS1[~inside] = pad
+    counted = inside & (pos >= counted_from[:, None])
+    target_BS1 = np.where(counted, tok_BS1, IGNORE_INDEX)
+    return torch.from_numpy(tok_BS1[:, :-1].copy()), torch.from_numpy(target_BS1[:, 1:].copy())
 
 
 def check_prompts_fit(meta: Dict[str, object], seq_len: int, corpus: str) -> None:

@@ -118,6 +118,7 @@ class TokenStream:
         self._maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths]
         sizes = [len(m) for m in self._maps]
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [n_shards + 1]
+        self.doc_offsets: Optional[np.ndarray] = None  # [n_docs + 1] when known (:func:`document_offsets`)
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -16,11 +16,19 @@ from tessera.zero.offload.files import stale_folders
 STATE_BYTES_PER_ELEMENT = 12  # fp32 master + AdamW's exp_avg + exp_avg_sq
 
 
+def bytes_per_element(optim) -> int:
+    """File bytes per master element for OptimConfig ``optim``: the fp32 master and the optimizer's [n] state
+    (Adam/AdamW: two moments; SGD: the momentum buffer when momentum > 0; Adagrad: the sum)."""
+    if optim.name == "sgd":
+        return 8 if optim.momentum else 4
+    return 8 if optim.name == "adagrad" else STATE_BYTES_PER_ELEMENT
+
+
 def check_disk_offload(cfg, parallel, world: int) -> None:
     """``cfg`` a JobConfig, ``parallel`` its resolved degrees. For disk offload, ``zero.offload_dir`` ("":
     ``<run.out_dir>/offload``, see :func:`offload_folder`) must be a folder, or creatable in a writable one, on a
-    disk whose free space (plus what killed runs left there) holds 12 bytes per master element of the ranks
-    on this machine. Nothing is written."""
+    disk whose free space (plus what killed runs left there) holds the masters and optimizer state of the ranks
+    on this machine (:func:`state_bytes`). Nothing is written."""
     if OffloadMode(cfg.zero.offload) != "disk":
         return
     folder = offload_folder(cfg)
@@ -54,10 +62,10 @@ def with_offload_folder(zero, cfg):
 
 
 def state_bytes(cfg, parallel) -> float:
-    """Bytes of fp32 masters and AdamW state the whole job holds: 12 per trainable parameter, once per
-    replica of the sharded state (``dp_replicate`` with hybrid sharding, else one)."""
+    """Bytes of fp32 masters and optimizer state the whole job holds (AdamW: 12 per trainable parameter), once
+    per replica of the sharded state (``dp_replicate`` with hybrid sharding, else one)."""
     replicas = parallel.dp_replicate if parallel.dp_shard > 1 else 1
-    return STATE_BYTES_PER_ELEMENT * cfg.model.num_params(moe=cfg.moe) * replicas
+    return bytes_per_element(cfg.optim) * cfg.model.num_params(moe=cfg.moe) * replicas
 
 
 def _stale_bytes(folder: Path) -> int:
