@@ -18,7 +18,9 @@ SMALL = from_model_config("small", model_config("small"))
 
 def test_last_stage_holds_one_microbatch_except_gpipe_and_interleaved_warmup():
     assert last_stage_inflight("gpipe", 4, 8) == 8
-    assert last_stage_inflight("1f1b", 4, 8) == 1 and last_stage_inflight("zb-h1", 4, 8) == 1
+    assert last_stage_inflight("1f1b", 4, 8) == 1
+    # ZB-H1's last stage holds back p - 1 weight gradients: p micro-batches wait for their W
+    assert last_stage_inflight("zb-h1", 4, 8) == 4 and last_stage_inflight("zb-h1", 4, 2) == 2
     # Megatron-LM's interleaved warm-up on rank r: 2(p − r − 1) + (v − 1)p forwards, then one more
     # before the first backward; in micro-batches through the whole stage (v chunks)
     for p, v in ((2, 2), (4, 2), (8, 3)):

@@ -117,36 +117,32 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
 
 
 def _zb_h1(pp: int, m: int) -> list[list[Action]]:
-    """ZB-H1 (Qi et al. 2023), built greedily on unit-time F, B (input gradient) and W (weight gradient):
-    a free rank runs a backward whose gradient has arrived, else a forward while fewer than pp - r
-    micro-batches await their W (1F1B's memory bound: a micro-batch's activations live until its W),
-    else a deferred W. The W's so fill the waits that 1F1B spends idle, with the same peak memory."""
-    out: list[list[Action]] = [[] for _ in range(pp)]
-    f_next, w_done = [0] * pp, [0] * pp
-    f_ready = [set(range(m))] + [set() for _ in range(pp - 1)]  # micro-batches whose input is here
-    g_ready: list[set] = [set() for _ in range(pp)]  # micro-batches whose output gradient is here
-    pending: list[list[int]] = [[] for _ in range(pp)]
-    arriving: list[tuple[str, int, int]] = []
-    while any(len(a) < 3 * m for a in out):
-        for kind, stage, mb in arriving:  # results of the last time unit become visible
-            (f_ready if kind == "F" else g_ready)[stage].add(mb)
-        arriving = []
-        for r in range(pp):
-            if g_ready[r]:
-                mb = min(g_ready[r])
-                g_ready[r].discard(mb)
-                out[r].append(Action("B", r, mb))
-                pending[r].append(mb)
-                if r > 0:
-                    arriving.append(("B", r - 1, mb))
-            elif f_next[r] < m and f_next[r] in f_ready[r] and f_next[r] - w_done[r] < pp - r:
-                mb = f_next[r]
-                f_next[r] += 1
-                out[r].append(Action("F", r, mb))
-                arriving.append(("F", r + 1, mb) if r < pp - 1 else ("B", r, mb))
-            elif pending[r]:
-                out[r].append(Action("W", r, pending[r].pop(0)))
-                w_done[r] += 1
+    """ZB-H1 (Qi et al. 2023, Fig. 3): 1F1B's order with the backward split into B (input gradient) and W
+    (weight gradient). Rank r runs each W right after its B, except that it holds back the W's of its first
+    r micro-batches: a later rank returns the gradient upstream (B only) while the earlier ranks still warm
+    up, and its held-back W's fill the time it would otherwise wait. Every rank then keeps at most pp
+    micro-batches between their F and their W, the first rank's bound under 1F1B, so the peak memory over
+    ranks is 1F1B's; with unit F, B and W the idle time per rank is (p - 1)(F + B - W), a third of 1F1B's.
+    The same order as torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank."""
+    out = []
+    for r in range(pp):
+        warm = min(pp - r - 1, m)
+        acts = [Action("F", r, i) for i in range(warm)]
+        done = {"B": 0, "W": 0}
+
+        def backward(acts=acts, done=done, r=r):
+            acts.append(Action("B", r, done["B"]))
+            done["B"] += 1
+            if done["B"] > r:  # the W's of the first r micro-batches wait
+                acts.append(Action("W", r, done["W"]))
+                done["W"] += 1
+        for i in range(warm, m):
+            acts.append(Action("F", r, i))
+            backward()
+        while done["B"] < m:
+            backward()
+        acts += [Action("W", r, j) for j in range(done["W"], m)]
+        out.append(acts)
     return out
 
 

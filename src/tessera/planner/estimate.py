@@ -137,8 +137,11 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     if first:
         acts += inflight * embedding_bytes(seq_local, layout.micro_batch, spec.hidden, tp=layout.tp,
                                            sequence_parallel=layout.sp, dropout=spec.arch == "gpt")
-    if last:  # the loss's saved logits, for every micro-batch whose backward has not run
-        acts += inflight * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
+    if last:  # the loss's saved logits, for every micro-batch whose backward has not run (ZB-H1's input-
+        # gradient half frees them as 1F1B's backward does: its held-back W's need the linears' tensors only)
+        logits_inflight = inflight if layout.schedule != "zb-h1" else stage_inflight(
+            stage, "1f1b", layout.pp, layout.microbatches(global_batch))
+        acts += logits_inflight * logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
                                         elem_bytes=elem)
     buffers = update_grads + _zero3_buffers(spec, layout, shard, elem)
     if layout.pp > 1:  # one activation to send and one received, per direction

@@ -116,8 +116,11 @@ def stage_inflight(stage: int, schedule: str, pp: int, microbatches: int, virtua
     one micro-batch through that stage's layers, for m micro-batches:
 
     - GPipe: all m (every forward runs before any backward);
-    - 1F1B and ZB-H1: min(p − s, m) (stage s runs p − s − 1 warm-up forwards, then one more before its
-      first backward);
+    - 1F1B: min(p − s, m) (stage s runs p − s − 1 warm-up forwards, then one more before its first
+      backward);
+    - ZB-H1: min(p, m) on every stage: stage s holds back the weight gradients of its first s micro-batches,
+      so up to p micro-batches wait for their W (each still holding what its W reads: the inputs and output
+      gradients of its linears, counted here as the whole micro-batch's activations);
     - interleaved 1F1B (v chunks per stage): Megatron-LM's warm-up of rank s, 2(p − s − 1) + (v − 1)·p
       chunk forwards, plus the one before the first backward, capped at the m·v chunk forwards there
       are, / v. Uncapped, stage 0 holds p + (p − 1)/v = p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022
@@ -131,8 +134,10 @@ def stage_inflight(stage: int, schedule: str, pp: int, microbatches: int, virtua
         return 1.0
     if schedule == "gpipe":
         return float(microbatches)
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return float(min(pp - stage, microbatches))
+    if schedule == "zb-h1":
+        return float(min(pp, microbatches))
     if schedule == "interleaved":
         v = virtual_stages
         return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, microbatches * v) / v
@@ -145,8 +150,7 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
 
 
 def last_stage_inflight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """:func:`stage_inflight` of the last stage (1 for 1F1B and ZB-H1: each forward is followed by its
-    backward)."""
+    """:func:`stage_inflight` of the last stage (1 for 1F1B: each forward is followed by its backward)."""
     return stage_inflight(pp - 1, schedule, pp, microbatches, virtual_stages)
 
 
