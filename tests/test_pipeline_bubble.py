@@ -31,6 +31,8 @@ def test_measured_bubble_matches_theory_and_orders_schedules(rank_pool):
     for m in (4, 8):
         assert measured[("interleaved", m, 2)]["bubble"] < measured[("1f1b", m, 1)]["bubble"]
         assert measured[("zb-h1", m, 1)]["bubble"] < measured[("1f1b", m, 1)]["bubble"]
+        # B and W one forward each: Qi et al.'s (p-1)(F+B-W) idle against m(F+B+W) of work
+        assert measured[("zb-h1", m, 1)]["bubble"] == pytest.approx((P - 1) / (3 * m + P - 1), abs=0.05), m
     for m in (4, 8, 16):
         # GPipe holds every micro-batch's activations on every rank; 1F1B at most P.
         assert [r[("gpipe", m, 1)]["peak"] for r in res] == [m] * P
