@@ -87,3 +87,22 @@ def test_validate_prints_the_table_and_writes_it_between_the_markers(tmp_path, c
     bare.write_text("no markers\n", encoding="utf-8")
     assert main(["plan", "--validate", "--write-doc", str(bare)]) == 2  # one sentence, exit 2
     assert "markers" in capsys.readouterr().err
+
+
+def test_the_planners_llama3_8b_mfu_is_consistent_with_torchtitans():
+    from tessera.planner.mfu_check import Pick, consistent, pick, report, torchtitan_mfus
+
+    rows = torchtitan_mfus()
+    # torchtitan's own statement: 33% to 39% MFU against the SXM peak, which the planner's count reproduces
+    assert [round(row[3], 2) for row in rows] == [0.34, 0.39, 0.33, 0.38]
+    hbm2e, sxm = pick("h100-hbm2e"), pick("h100")
+    best, top = max(row[3] for row in rows), band()[1]
+    assert consistent(hbm2e, best, top)
+    # the verdict could fail: a pick below torchtitan's best, or above the band, is reported as such
+    assert not consistent(dataclasses.replace(hbm2e, mfu_sxm=best * 0.9), best, top)
+    assert not consistent(dataclasses.replace(hbm2e, mfu_sxm=best * (1 + top) * 1.01), best, top)
+    # MFU divides out the peak: the SXM's pick against its own peak differs from the HBM2e part's by little
+    assert abs(sxm.mfu_own - hbm2e.mfu_own) < 0.05 and isinstance(sxm, Pick)
+    text = report()
+    assert "consistent with its best measured" in text and "NOT" not in text
+    assert f"{sxm.mfu_own:.1%}" in text

@@ -134,9 +134,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _validate(args) -> int:
     """``--validate``: the published-runs table (and, with ``--write-doc``, that table in the doc)."""
+    from tessera.planner.mfu_check import report
     from tessera.planner.published import sources, table, write_doc
 
-    text = table()
+    text = table() + "\n\n" + report()
     print(text)
     print("\nsources:\n" + "\n".join(f"- {s}" for s in sources()))
     if args.write_doc:
