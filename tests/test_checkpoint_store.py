@@ -319,3 +319,20 @@ def test_a_disk_error_while_saving_is_one_sentence(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(CheckpointError, match="saving checkpoint .*file/ck failed"):
         save_pieces(tmp_path / "file" / "ck", whole_layout(original()), {}, CommGroup.single())
+
+
+def test_a_peer_lost_inside_dcps_own_collectives_is_one_sentence(tmp_path, monkeypatch):
+    # DCP's planning runs collectives of its own; a peer killed meanwhile makes the backend raise a bare
+    # RuntimeError there, which must read like every other collective's failure (tessera.comm), not a traceback
+    import torch.distributed.checkpoint as dcp
+
+    from tessera.errors import PeerGoneError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:60800: Connection reset "
+                           "by peer. This is typically caused by a remote worker hanging")
+
+    monkeypatch.setattr(dcp, "save", lost)
+    with pytest.raises(PeerGoneError, match=r"^rank 0: checkpoint saving \(DCP's planning collectives\) call #\d+ "
+                                            r"on axis 'world' .* is gone: .*Connection reset by peer"):
+        save_pieces(tmp_path / "ck", whole_layout({"w": torch.zeros(2)}), {"step": 1}, CommGroup.single())

@@ -54,6 +54,7 @@ from tessera.checkpoint.manifest import (
 from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.planners import PieceLoadPlanner, PieceSavePlanner, covered
 from tessera.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
+from tessera.comm.collectives import comm_failure
 from tessera.comm.group import CommGroup
 
 META = "trainer.json"
@@ -71,12 +72,17 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def _dcp_errors(action: str, path: Path):
+def _dcp_errors(action: str, path: Path, world: CommGroup):
     """DCP reports any rank's failure on every rank as a ``CheckpointException``, a BaseException that
     ``except Exception`` misses: an OSError (disk full, permission) becomes a CheckpointError sentence,
-    anything else a RuntimeError carrying DCP's per-rank tracebacks."""
+    anything else a RuntimeError carrying DCP's per-rank tracebacks. A collective of DCP's own planning
+    that fails (a peer killed while the ranks save) raises the backend's RuntimeError instead: it becomes
+    the one-sentence communication error every other collective gives (``tessera.comm``)."""
     try:
         yield
+    except RuntimeError as err:
+        raise comm_failure(world, f"checkpoint {action} (DCP's planning collectives)", world.next_seq(),
+                           err) from err
     except CheckpointException as err:
         first = next(iter(err.failures.values()), (None, None))[0]
         if isinstance(first, CheckpointError):
@@ -98,7 +104,7 @@ def save_pieces(path: Path, pieces: list[Piece], meta: dict, world: CommGroup) -
     partial = path.with_name(path.name + ".partial")
     # each step that can fail on some ranks only ends in _agree (not a barrier): all raise, none hangs
     _agree(world, _attempt(lambda: _clear(partial) if world.rank == 0 else None, path))
-    with _quiet(), _dcp_errors("saving", path):
+    with _quiet(), _dcp_errors("saving", path, world):
         dcp.save({}, storage_writer=FileSystemWriter(str(partial)), planner=PieceSavePlanner(pieces),
                  process_group=world.pg, no_dist=world.size == 1)
     _agree(world, _attempt(lambda: _hash_own_files(partial, world), path))
@@ -173,7 +179,7 @@ def load_pieces(path: Path, pieces: list[Piece], world: CommGroup) -> dict:
     _agree(world, _attempt(lambda: _verify_share(path, world)))
     found: dict = {}
     _agree(world, _attempt(lambda: found.update(metadata=_check_pieces(path, pieces), meta=read_meta(path))))
-    with _quiet(), _dcp_errors("loading", path):
+    with _quiet(), _dcp_errors("loading", path, world):
         dcp.load({}, storage_reader=SafeFileSystemReader(path, found["metadata"]),
                  planner=PieceLoadPlanner(pieces), process_group=world.pg, no_dist=world.size == 1)
     return found["meta"]
