@@ -61,15 +61,19 @@ def test_rows_of_documents_and_examples_by_hand():
 # ---------------------------------------------------------------- the loss
 
 
+def padded_sft_step(tmp_path):
+    """A fine-tuning corpus's first bucketed step (8 rows of up to SEQ tokens in 4 micro-batches): the examples,
+    its rows, the step's row ids and its micro-batches."""
+    _, folder = prepared(tmp_path, "sft", pairs(24), val_fraction=0.2)
+    ex = load_corpus(DataConfig(corpus=str(folder), seq_len=SEQ)).train
+    sampler = BucketSampler(document_rows(ex, SEQ, ex.eot), SEQ, 8, 4, 0, 1, seed=1, multiple=8, pad_id=ex.eot)
+    return ex, sampler.rows, sampler._step_rows(0), sampler.next_batches(ex)
+
+
 def test_padding_is_never_counted(tmp_path):
     """One bucketed step through a causal transformer: its loss and gradients equal those of its rows run
     one by one, unpadded, summed and divided by their counted targets."""
-    _, folder = prepared(tmp_path, "sft", pairs(24), val_fraction=0.2)
-    ex = load_corpus(DataConfig(corpus=str(folder), seq_len=SEQ)).train
-    rows = document_rows(ex, SEQ, ex.eot)
-    sampler = BucketSampler(rows, SEQ, 8, 4, 0, 1, seed=1, multiple=8, pad_id=ex.eot)
-    ids = sampler._step_rows(0)
-    batches = sampler.next_batches(ex)
+    ex, rows, ids, batches = padded_sft_step(tmp_path)
     assert any(bool((y == IGNORE_INDEX).any()) for _, y in batches)  # there is padding to leak
     torch.manual_seed(0)
     model = Transformer(model_config("tiny", vocab_size=256, dropout=0.0))

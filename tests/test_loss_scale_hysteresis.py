@@ -14,11 +14,11 @@ from tessera.precision import LossScaler, PrecisionConfig
 PATTERN = [1, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1]
 
 
-def deepspeed_scales(pattern, init, window, floor, hysteresis, monkeypatch):
+def deepspeed_scales(pattern, init, window, floor, hysteresis, monkeypatch, consecutive=False):
     loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
     monkeypatch.setattr(loss_scaler, "dist", types.SimpleNamespace(get_rank=lambda: 0))  # its log line's rank
     ds = loss_scaler.DynamicLossScaler(init_scale=init, scale_window=window, min_scale=floor,
-                                       delayed_shift=hysteresis, consecutive_hysteresis=False,
+                                       delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
                                        raise_error_at_min_scale=False)
     out = []
     for overflow in pattern:
@@ -106,15 +106,7 @@ def mapped_scaler(fp16: dict, stage: int):
 def test_deepspeed_mapping_gives_zero_scalers_scales(window, hysteresis, consecutive, monkeypatch, deepspeed_cpu):
     """Under ZeRO, DeepSpeed's DynamicLossScaler (its window counted from the last overflow or the start,
     consecutive_hysteresis either way) against the mapped scaler, step for step."""
-    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
-    monkeypatch.setattr(loss_scaler, "dist", types.SimpleNamespace(get_rank=lambda: 0))
-    ds = loss_scaler.DynamicLossScaler(init_scale=2.0 ** 8, scale_window=window, min_scale=4.0,
-                                       delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
-                                       raise_error_at_min_scale=False)
-    want = []
-    for overflow in GROWTH_PATTERN:
-        ds.update_scale(bool(overflow))
-        want.append(ds.cur_scale)
+    want = deepspeed_scales(GROWTH_PATTERN, 2.0 ** 8, window, 4.0, hysteresis, monkeypatch, consecutive)
     fp16 = {"initial_scale_power": 8, "loss_scale_window": window, "min_loss_scale": 4, "hysteresis": hysteresis,
             "consecutive_hysteresis": consecutive}
     assert tessera_scales(GROWTH_PATTERN, mapped_scaler(fp16, stage=2)) == want

@@ -16,10 +16,9 @@ from tessera.models import Transformer, cross_entropy_sum, moe_loss_sum
 from tessera.models.config import model_config
 from tessera.models.moe import MoEConfig, Router, collect_local_stats
 from tessera.models.moe_tokens import real_tokens
-from tessera.train.data import DataConfig, load_corpus
-from tessera.train.data.bucketing import BucketSampler, document_rows
 from tessera.train.step import IGNORE_INDEX, counted_targets, forward_backward
 
+from test_bucketing import padded_sft_step
 from test_sft import pairs, prepared
 
 SEQ, E = 32, 4
@@ -58,12 +57,7 @@ def test_padded_moe_step_equals_its_rows_unpadded(tmp_path):
     """One bucketed fine-tuning step (padded rows, prompts) through an MoE transformer: its loss, gradients
     and routing counters equal those of its rows run one by one, unpadded. No capacity and no balance
     loss (neither adds up over routing groups); the z-loss does, and padding would add to it."""
-    _, folder = prepared(tmp_path, "sft", pairs(24), val_fraction=0.2)
-    ex = load_corpus(DataConfig(corpus=str(folder), seq_len=SEQ)).train
-    rows = document_rows(ex, SEQ, ex.eot)
-    sampler = BucketSampler(rows, SEQ, 8, 4, 0, 1, seed=1, multiple=8, pad_id=ex.eot)
-    ids = sampler._step_rows(0)
-    batches = sampler.next_batches(ex)
+    ex, rows, ids, batches = padded_sft_step(tmp_path)
     assert sum(int(real_tokens(y != IGNORE_INDEX).logical_not().sum()) for _, y in batches) > 8  # padding to leak
     torch.manual_seed(0)
     model = Transformer(model_config("tiny", vocab_size=256, dropout=0.0, num_experts=E, moe_every=1),

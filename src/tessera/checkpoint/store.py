@@ -56,6 +56,7 @@ from tessera.checkpoint.planners import PieceLoadPlanner, PieceSavePlanner, cove
 from tessera.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
 from tessera.comm.collectives import comm_failure
 from tessera.comm.group import CommGroup
+from tessera.errors import CommTimeoutError, PeerGoneError
 
 META = "trainer.json"
 _STEP = re.compile(r"step_(\d+)")
@@ -77,12 +78,16 @@ def _dcp_errors(action: str, path: Path, world: CommGroup):
     ``except Exception`` misses: an OSError (disk full, permission) becomes a CheckpointError sentence,
     anything else a RuntimeError carrying DCP's per-rank tracebacks. A collective of DCP's own planning
     that fails (a peer killed while the ranks save) raises the backend's RuntimeError instead: it becomes
-    the one-sentence communication error every other collective gives (``tessera.comm``)."""
+    the one-sentence communication error every other collective gives (``tessera.comm``) when the backend
+    says a peer is gone or hung; any other RuntimeError is DCP's own and passes unchanged."""
     try:
         yield
     except RuntimeError as err:
-        raise comm_failure(world, f"checkpoint {action} (DCP's planning collectives)", world.next_seq(),
-                           err) from err
+        failure = comm_failure(world, f"checkpoint {action} (DCP's planning collectives)", world.seq + 1, err)
+        if not isinstance(failure, (PeerGoneError, CommTimeoutError)):
+            raise  # not a lost or hung peer: DCP's own error, as it was
+        world.next_seq()
+        raise failure from err
     except CheckpointException as err:
         first = next(iter(err.failures.values()), (None, None))[0]
         if isinstance(first, CheckpointError):

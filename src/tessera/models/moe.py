@@ -185,9 +185,10 @@ class Router(nn.Module):
         keep_TK = keep_GK if mine_T is None else keep_GK[mine_T]
         share = x_TD.shape[0] / max(tokens, 1)  # this device's part of the group's means (1.0: all of it)
         f_E = routed_group_E.float() / max(tokens * k, 1)
-        p_E, z2_T = probs_TE.mean(0), torch.logsumexp(logits_TE, dim=-1).pow(2)
-        z2 = z2_T.mean()
-        if valid_T is not None:  # means over this device's real tokens only
+        z2_T = torch.logsumexp(logits_TE, dim=-1).pow(2)
+        if valid_T is None:
+            p_E, z2 = probs_TE.mean(0), z2_T.mean()
+        else:  # means over this device's real tokens only
             mine = valid_T.sum().clamp(min=1)
             p_E, z2 = (probs_TE * valid_T[:, None]).sum(0) / mine, (z2_T * valid_T).sum() / mine
             share = mine / max(tokens, 1)

@@ -32,7 +32,7 @@ from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.pipeline.schedules import COMPUTE, Action, Schedule, continuing_schedule
 from tessera.pipeline.split_backward import WeightGradStore, split_linears
-from tessera.pipeline.weight_versions import WeightVersions
+from tessera.pipeline.weight_versions import WeightVersions, shift_microbatches
 from tessera.timeline import Timeline
 
 
@@ -255,10 +255,10 @@ def _carry(st: _StepState, m: int) -> _StepState:
     (stage inputs and outputs of the in-flight forwards; every unfinished send, waited at a drain)."""
     if st.grads_out or st.grads_in or st.recvs:
         raise RuntimeError("a step ended with gradients or receives pending: the schedule is incomplete")
-    shift = lambda d: {(s, mb - m): v for (s, mb), v in d.items()}  # noqa: E731
     sends = [[h, t, None if key is None else (key[0], key[1] - m)] for h, t, key in st.sends
              if h is not None and not (h.is_completed() and key is None)]  # finished and freed: dropped
-    return _StepState(micro=[], inputs=shift(st.inputs), outputs=shift(st.outputs), sends=sends)
+    return _StepState(micro=[], inputs=shift_microbatches(st.inputs, m),
+                      outputs=shift_microbatches(st.outputs, m), sends=sends)
 
 
 def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -30,6 +30,12 @@ from torch.func import functional_call
 from tessera.pipeline.schedules import Schedule
 
 
+
+def shift_microbatches(d: dict, m: int) -> dict:
+    """``{(stage, mb): v}`` with every micro-batch index moved down by ``m`` (a call without a flush hands
+    its micro-batches m.. to the next call as 0..)."""
+    return {(s, mb - m): v for (s, mb), v in d.items()}
+
 class WeightVersions:
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, rank: int, vertical_sync: bool = False):
         self.stages, self.schedule, self.rank = stages, schedule, rank
@@ -74,10 +80,9 @@ class WeightVersions:
 
     # ---- executor hooks --------------------------------------------------------------------------------
 
-    def begin_step(self, schedule: Schedule | None = None) -> None:
-        """A new call running ``schedule`` (default: the flush schedule): 2BW's live weights become version
-        ``calls`` (updated once per batch)."""
-        schedule = schedule or self.schedule
+    def begin_step(self, schedule: Schedule) -> None:
+        """A new call running ``schedule``: 2BW's live weights become version ``calls`` (updated once per
+        batch)."""
         if schedule.name == "2bw":
             self.updates = self.calls
         self.first_mb = self.calls * schedule.n_microbatches
@@ -87,8 +92,7 @@ class WeightVersions:
 
     def carry(self, m: int) -> None:
         """End of a call without a flush: the next call's micro-batches m.. in flight become its 0.."""
-        shift = lambda d: {(s, mb - m): v for (s, mb), v in d.items()}  # noqa: E731
-        self.leaves, self.used = shift(self.leaves), shift(self.used)
+        self.leaves, self.used = shift_microbatches(self.leaves, m), shift_microbatches(self.used, m)
         self.stage0 = {mb - m: v for mb, v in self.stage0.items() if mb >= m}
 
     def before_update(self) -> None:

@@ -103,11 +103,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be a positive integer, got {args.top}")
     gpu, model, calibration = _gpu_and_model(args)
-    from tessera.planner.published import step_band
+    from tessera.planner.published import band_source, step_band
 
-    band = step_band(gpu)
-    band_source = ("from the planner's errors on published GPU runs (tessera plan --validate)" if gpu.hbm_efficiency
-                   else "from the held-out rows of the CPU validation (docs/PLANNER.md)")
+    band, source = step_band(gpu), band_source(gpu)
     batch, seq = (args.global_batch if args.global_batch is not None else 512), args.seq or model.seq
     rule = TrainerRule(job_flags(model, batch, seq, args.precision), batch)
     plan = search(model, gpu, args.gpus, batch, seq, precision=args.precision, optimizer=args.optimizer,
@@ -116,7 +114,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": model.name, "gpu": gpu.name, "gpus": args.gpus, "global_batch": batch,
                           "seq": seq, "calibration": calibration, "considered": plan.considered,
                           "fitting": plan.fitting, "refused": len(plan.refused),
-                          "band_source": band_source,
+                          "band_source": source,
                           "layouts": [{**as_json(e, band), "train_flags": rule.flags + rule.layout_flags(e.layout)}
                                       for e in plan.ranked]}, indent=2))
         return 0
@@ -128,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         head += (f", LoRA rank {model.lora_rank} on {','.join(model.lora_targets)} "
                  f"({model.adapter_params() / 1e6:.2f}M trainable, the rest frozen)")
     print(head + "\n" + explain(plan, args.gpus, flags=(rule.flags, [rule.layout_flags(e.layout) for e in plan.ranked]),
-                                band=band, band_source=band_source))
+                                band=band, band_source=source))
     return 0
 
 

@@ -215,16 +215,17 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     seq_local = seq // layout.cp
     layers_here = spec.layers / layout.pp
     flops = model_flops(spec, tokens, seq) + recompute_flops(spec, tokens, seq, layout.recompute)
-    # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
-    rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
-    elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
-                                                                                 precision)
-    calls = rerun * gpu.layer_call_s * m * (layers_here + 1)  # + 1: the embedding, or the head and loss
-    attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
-    matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
-    compute = (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
-    if gpu.hbm_efficiency:  # the busiest stage: the last holds the output layer and the loss
-        compute = m * max(stage_time(spec, layout, gpu, seq, elem, software, last=last).total for last in (True, False))
+    if gpu.hbm_efficiency:  # GPU kernel model; the busiest stage is the last (it holds the output layer and loss)
+        compute = m * stage_time(spec, layout, gpu, seq, elem, software).total
+    else:
+        # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
+        rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
+        elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
+                                                                                     precision)
+        calls = rerun * gpu.layer_call_s * m * (layers_here + 1)  # + 1: the embedding, or the head and loss
+        attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
+        matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
+        compute = (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole

@@ -23,18 +23,23 @@ def as_json(est, band: tuple[float, float] = (1.0, 1.0)) -> dict:
         "bubble_fraction": est.bubble_fraction,
         "step_time_s_band": [est.step_time_s * low, est.step_time_s * high],
         "tokens_per_s_band": [est.tokens_per_s / high, est.tokens_per_s / low],
-        "mfu_band": [est.mfu / high, min(1.0, est.mfu / low)],  # no step beats the peak
+        "mfu_band": list(mfu_band(est.mfu, band)),
     }
+
+
+def mfu_band(mfu: float, band: tuple[float, float]) -> tuple[float, float]:
+    """The MFU range of a step-time band (low, high multipliers): no step beats the peak."""
+    low, high = band
+    return mfu / high, min(1.0, mfu / low)
 
 
 def table(estimates, gpus: int, band: tuple[float, float] = (1.0, 1.0)) -> str:
     """One line per layout, fastest first; the MFU with its band (``as_json``)."""
-    low, high = band
     head = (f"{'#':>3}  {'layout':<48}{'mem GB':>8}{'step s':>10}{'tok/s':>12}{'MFU':>7}"
             f"{'MFU band':>15}{'bubble':>8}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
-        spread = f"{e.mfu / high:.1%}–{min(1.0, e.mfu / low):.1%}"
+        spread = "{:.1%}–{:.1%}".format(*mfu_band(e.mfu, band))
         lines.append(f"{i:>3}  {e.layout.describe():<48}{e.memory_bytes['total'] / GB:>8.1f}"
                      f"{e.step_time_s:>10.3f}{e.tokens_per_s:>12,.0f}{e.mfu:>7.1%}{spread:>15}{e.bubble_fraction:>8.1%}")
     return "\n".join(lines)

@@ -120,10 +120,9 @@ def _matmul_rate(gpu, spec, layout, tokens: float) -> float:
     return full * weights / time
 
 
-def stage_time(spec, layout, gpu, seq: int, elem: int, software: Software = TESSERA,
-               last: bool = True) -> StageTime:
-    """One micro-batch's forward and backward (and recomputation) on one rank of a stage holding
-    ``spec.layers / pp`` layers, plus the output layer and the loss when ``last``."""
+def stage_time(spec, layout, gpu, seq: int, elem: int, software: Software = TESSERA) -> StageTime:
+    """One micro-batch's forward and backward (and recomputation) on one rank of the last stage: ``spec.layers
+    / pp`` layers plus the output layer and the loss (the busiest stage)."""
     tp, rc = layout.tp, layout.recompute
     tokens = layout.micro_batch * seq / layout.cp
     layers = spec.layers / layout.pp
@@ -154,10 +153,10 @@ def stage_time(spec, layout, gpu, seq: int, elem: int, software: Software = TESS
         scores = layers * tokens * score_passes * (6.0 * elem + 1.0) * spec.heads * seq / tp
     compiled = software.compile
     elementwise_bytes = layers * tokens * passes * _elementwise_bytes(spec, tp, layout.sp, compiled, elem)
-    if last:  # output layer (a matmul) and the loss over the vocabulary in fp32: eager ≈ 30 bytes per
-        # logit (cast, log-softmax, its gradient, cast back), compiled ≈ 10
-        matmul += tokens * per_weight * spec.vocab * spec.hidden / tp / matmul_rate
-        elementwise_bytes += tokens * (10.0 if compiled else 30.0) * spec.vocab / tp
+    # output layer (a matmul) and the loss over the vocabulary in fp32: eager ≈ 30 bytes per logit (cast,
+    # log-softmax, its gradient, cast back), compiled ≈ 10
+    matmul += tokens * per_weight * spec.vocab * spec.hidden / tp / matmul_rate
+    elementwise_bytes += tokens * (10.0 if compiled else 30.0) * spec.vocab / tp
     kernels = layers * _kernels_per_layer(spec, compiled) * passes
     return StageTime(matmul=matmul, attention=attention, elementwise=(elementwise_bytes + scores) / hbm,
                      gaps=kernels * gpu.kernel_gap_s)
@@ -172,9 +171,9 @@ def zero3_exposed(spec, layout, link, hidden_per_mb: float, elem: int, grad_shar
     the stage's compute, 0 where the code does not overlap), its backward two thirds. ``grad_share``:
     reduced bytes per gathered byte (LoRA: the adapters only)."""
     n, layers = layout.dp * layout.cp, spec.layers / layout.pp
-    first, last = True, layout.pp == 1  # the busiest stage's units, as _stage_split counts them
-    embed = spec.embedding_params() / layout.tp * elem if first else 0.0
-    head = (spec.head_params() / layout.tp * elem if last else 0.0)
+    # the busiest stage's units, as _stage_split counts them: the embedding, and the head without a pipeline
+    embed = spec.embedding_params() / layout.tp * elem
+    head = spec.head_params() / layout.tp * elem if layout.pp == 1 else 0.0
     layer = (spec.dense_layer_params() / layout.tp + spec.expert_layer_params() / (layout.ep * layout.tp)) * elem
     forward = hidden_per_mb / 3.0 / (layers + 1)
     backward = 2.0 * forward

@@ -108,6 +108,13 @@ def step_band(gpu) -> tuple[float, float]:
     return 1.0 / (1.0 + cpu["step_error_max"]), 1.0 / (1.0 + cpu["step_error_min"])
 
 
+def band_source(gpu) -> str:
+    """Where :func:`step_band`'s range for ``gpu`` comes from, as ``tessera plan`` says it."""
+    if gpu.hbm_efficiency:
+        return "from the planner's errors on published GPU runs (tessera plan --validate)"
+    return "from the held-out rows of the CPU validation (docs/PLANNER.md)"
+
+
 def table() -> str:
     """The published-runs table (markdown), as ``tessera plan --validate`` prints and docs/PLANNER.md holds."""
     head = ("| run | layout (planner) | published | predicted | error | sets a constant |\n"

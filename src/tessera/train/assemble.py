@@ -74,11 +74,7 @@ def _pipelined(cfg: JobConfig, topology: Topology, core: nn.Module, device: torc
     is stepped like any sharded engine."""
     from tessera.train.pipeline_step import PipelineStep
 
-    pipe = PipelineStep(core, cfg.pipeline, topology, device, cfg.optim,
-                        tensor_parallel=cfg.tensor_parallel, zero=zero_cfg, ddp=cfg.ddp,
-                        precision=cfg.precision, context_parallel=cfg.context_parallel,
-                        checkpointing=cfg.checkpointing, model_config=cfg.model,
-                        moe=cfg.moe, kernels=cfg.kernels)  # per stage; dp: ddp or ZeRO
+    pipe = PipelineStep.for_job(cfg, topology, core, device, zero_cfg)  # per stage; dp: ddp or ZeRO
     return Assembled(model=pipe.module, core=pipe.module, engine=pipe.engine, pipe=pipe, mode=None,
                      optimizer=pipe.optimizer)
 

@@ -83,6 +83,14 @@ class PipelineStep:
     at the step; the adapter then builds no reducer, engine or optimizer (``_axes_of``: the norm's rule).
     """
 
+    @classmethod
+    def for_job(cls, job, topology, model: nn.Module, device: torch.device, zero, mode_exchanges: bool = False):
+        """The pipeline of ``job`` (a JobConfig) over ``topology``, with its resolved ZeRO settings ``zero``."""
+        return cls(model, job.pipeline, topology, device, job.optim, tensor_parallel=job.tensor_parallel, zero=zero,
+                   ddp=job.ddp, precision=job.precision, context_parallel=job.context_parallel,
+                   checkpointing=job.checkpointing, model_config=job.model, moe=job.moe, kernels=job.kernels,
+                   mode_exchanges=mode_exchanges)
+
     def __init__(self, model: nn.Module, cfg: PipelineConfig, topology, device: torch.device | str,
                  optim_cfg: OptimConfig, tensor_parallel=None, zero=None, ddp=None, precision=None,
                  context_parallel=None, checkpointing=None, model_config=None, moe=None, kernels=None,

@@ -56,7 +56,7 @@ def warmup_fraction(step: int, cfg) -> float:
     else:
         g = (step + 1) / cfg.warmup_steps
     m = cfg.warmup_min_ratio
-    return g if m == 0 else m + (1.0 - m) * g  # m = 0: exactly (k + 1) / W, the multiplier tessera always used
+    return m + (1.0 - m) * g  # m = 0 gives g exactly: (k + 1) / W, the multiplier tessera always used
 
 
 def decay_fraction(step: int, cfg, span: int) -> float:

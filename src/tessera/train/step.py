@@ -66,11 +66,11 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last, moe = len(batches) - 1, bool(moe_layers(model))
     for i, (x, y) in enumerate(batches):
+        if moe:  # from the host's targets: on an accelerator its all() would wait for the copy below
+            mark_padding(model, counted_targets(y))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if rows is not None:  # this micro-batch's rows follow the previous ones' in the run's order
             key_tokens(model, rows[0], rows[1] + sum(b[0].shape[0] for b in batches[:i]))
-        if moe:
-            mark_padding(model, counted_targets(y))
         sync = i == last or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
@@ -99,9 +99,9 @@ def evaluate(model: nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tens
     moe = bool(moe_layers(model))
     for micro_batches in batches:
         for x, y in micro_batches:
-            y = y.to(device)
-            if moe:  # padding takes no expert capacity in evaluation either
+            if moe:  # padding takes no expert capacity in evaluation either (from the host's targets)
                 mark_padding(model, counted_targets(y))
+            y = y.to(device)
             s, n = loss_fn(model(x.to(device)), y, ignore_index=IGNORE_INDEX)
             totals[0] += s.double()
             totals[1] += n

@@ -40,7 +40,6 @@ from tessera.train.data.shards import TokenStream
 from tessera.train.data.tokenizer import ByteTokenizer
 
 POOL_STEPS = 16  # steps whose rows are sorted together: more gives less padding, less mixing of lengths
-BUCKETING = ("none", "length")
 
 
 @dataclass

@@ -38,6 +38,9 @@ _EOT = bytes([ByteTokenizer.eot])
 SourceFile = Tuple[str, str, int, int]
 
 
+BUCKETING = ("none", "length")  # data.bucketing: fixed windows, or documents batched by length (bucketing.py)
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from and how it is cut into batches."""
@@ -56,7 +59,7 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for a value that cannot work."""
-        if self.bucketing not in ("none", "length"):
+        if self.bucketing not in BUCKETING:
             raise ConfigError(f"data.bucketing must be 'none' or 'length', got {self.bucketing!r}")
         for name in ("seq_len", "global_batch_size", "micro_batch_size", "eval_batches", "bucket_multiple"):
             value = getattr(self, name)

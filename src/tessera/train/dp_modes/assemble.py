@@ -39,10 +39,7 @@ def assemble_pipelined_mode(cfg, topology: Topology, core: nn.Module, device: to
     """(pipeline step, mode): this rank's stages of ``core`` and the mode of ``cfg.ddp.mode`` over them."""
     from tessera.train.pipeline_step import PipelineStep
 
-    pipe = PipelineStep(core, cfg.pipeline, topology, device, cfg.optim, tensor_parallel=cfg.tensor_parallel,
-                        zero=zero_cfg, ddp=cfg.ddp, precision=cfg.precision,
-                        context_parallel=cfg.context_parallel, checkpointing=cfg.checkpointing,
-                        model_config=cfg.model, moe=cfg.moe, kernels=cfg.kernels, mode_exchanges=True)
+    pipe = PipelineStep.for_job(cfg, topology, core, device, zero_cfg, mode_exchanges=True)
     mode = build_mode(_parts(cfg, topology, pipe.module, pipe.dp, norm_axes(topology, pipeline=True),
                              pipe._axes_of, device, manual=True))
     return pipe, mode

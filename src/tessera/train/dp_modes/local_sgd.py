@@ -20,7 +20,7 @@ from tessera import comm
 from tessera.comm import CommGroup
 from tessera.grad_norm import clip_grad_norm
 from tessera.parameter_server.local_sgd import LocalSGD
-from tessera.precision.unscale import agree_finite, nonfinite
+from tessera.precision.unscale import unscale_
 from tessera.train.dp_modes.base import DataParallelMode, ModeParts
 
 
@@ -74,8 +74,7 @@ class LocalSGDMode(DataParallelMode):
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         for g in grads:
             comm.all_reduce(g, self.cp)
-            g.mul_(inv_scale)
-        if not agree_finite(nonfinite(grads, self.device), [self.cp, *self.norm_axes.values(), self.dp]):
+        if not unscale_(grads, inv_scale, [self.cp, *self.norm_axes.values(), self.dp], self.device):
             return float("inf"), False
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return clip_grad_norm(params, self.norm_axes, max_norm, axes_of=self.axes_of, device=self.device), True

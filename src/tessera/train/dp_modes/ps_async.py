@@ -150,8 +150,6 @@ class AsyncParameterServer(DataParallelMode):
     before validation, ``stats()`` for the metrics, ``close()`` at the end (collective). ``dtype``: the
     compute dtype the model's parameters are cast to (the servers' clones stay fp32)."""
 
-    checkpointable = False  # the servers' state lives in threads of several ranks, mid-flight between steps
-
     def __init__(self, model: nn.Module, world: CommGroup, mode: str, consistency: str, staleness: int,
                  groups: list[dict], make_optimizer: Callable, ledger: CommLedger | None = None,
                  dtype: torch.dtype = torch.float32):

@@ -13,7 +13,7 @@ import torch
 from tessera import comm
 from tessera.comm import CommGroup
 from tessera.grad_norm import clip_grad_norm
-from tessera.precision.unscale import agree_finite, nonfinite
+from tessera.precision.unscale import unscale_
 from tessera.train.dp_modes.base import DataParallelMode, ModeParts, placeholder_optimizer
 
 
@@ -76,15 +76,13 @@ class RankZeroServerMode(DataParallelMode):
 
     def _serve(self, total_P: torch.Tensor, max_norm: float, scaler) -> torch.Tensor:
         """On the server: the summed gradient [P] into the masters' grads, unscaled, checked, clipped."""
-        if scaler.active:
-            total_P.mul_(1.0 / scaler.scale)
         offset = 0
         for m in self.masters:
             m.grad = total_P[offset:offset + m.numel()].view_as(m)
             offset += m.numel()
         # the servers of every tp slice (and of every stage under a pipeline: norm_axes' "pp")
         checks = [self.tp, *(g for axis, g in self.norm_axes.items() if axis != "tp")]
-        if not agree_finite(nonfinite([total_P], self.device), checks):
+        if not unscale_([total_P], 1.0 / scaler.scale if scaler.active else 1.0, checks, self.device):
             return torch.tensor([float("inf"), 1.0])
         norm = clip_grad_norm(self.masters, self.norm_axes, max_norm, axes_of=self.axes_of, device=self.device)
         return torch.tensor([norm, 0.0])
