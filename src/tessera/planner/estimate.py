@@ -193,6 +193,21 @@ def activation_bytes_per_step(spec, layout, global_batch: int, seq: int, precisi
     return layout.microbatches(global_batch) * per_mb
 
 
+def _calibrated_compute_s(spec, layout, gpu, global_batch: int, seq: int, precision: str) -> float:
+    """A rank's compute seconds per step on a calibrated machine (see :func:`step_time`)."""
+    tokens = global_batch * seq
+    flops = model_flops(spec, tokens, seq) + recompute_flops(spec, tokens, seq, layout.recompute)
+    # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
+    rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
+    elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
+                                                                                 precision)
+    # + 1: the embedding, or the head and loss
+    calls = rerun * gpu.layer_call_s * layout.microbatches(global_batch) * (spec.layers / layout.pp + 1)
+    attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
+    matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
+    return (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
+
+
 def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "mixed",
               optimizer: str = "adam", software: Software = TESSERA) -> tuple[dict, float]:
     """(seconds by part, total seconds) of one optimizer step.
@@ -211,21 +226,12 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     links = cm.axis_links(gpu, layout)
     sync = gpu.collective_sync_s
     m = layout.microbatches(global_batch)
-    tokens = global_batch * seq
     seq_local = seq // layout.cp
     layers_here = spec.layers / layout.pp
-    flops = model_flops(spec, tokens, seq) + recompute_flops(spec, tokens, seq, layout.recompute)
     if gpu.hbm_efficiency:  # GPU kernel model; the busiest stage is the last (it holds the output layer and loss)
         compute = m * stage_time(spec, layout, gpu, seq, elem, software).total
     else:
-        # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
-        rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
-        elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
-                                                                                     precision)
-        calls = rerun * gpu.layer_call_s * m * (layers_here + 1)  # + 1: the embedding, or the head and loss
-        attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
-        matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
-        compute = (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
+        compute = _calibrated_compute_s(spec, layout, gpu, global_batch, seq, precision)
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole
