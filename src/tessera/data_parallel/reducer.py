@@ -48,6 +48,7 @@ class Reduction:
     keeps_views: bool = True
     releases: bool = False
     eager: bool = False
+    scale: float | None = None  # gradients are multiplied by this as they enter their slots (None: not)
 
     def begin(self) -> None:
         """A pass starts (its first gradient arrived, or a manual reduction was asked for)."""
@@ -65,16 +66,20 @@ class Reduction:
 
 
 class AllReduce(Reduction):
-    """DDP: each bucket all-reduced in place over ``group`` ("avg": divided by the group size; "sum":
-    left summed, for losses already divided by the global token count). 2(N-1)/N × bucket bytes per rank."""
+    """DDP: each bucket all-reduced (sum) in place over ``group``. "avg" divides by the group size on the
+    way into the bucket (each gradient is written to its slot as grad × 1/N, one pass, as torch's DDP
+    does), not after the reduction: a backend's average is a second pass over every bucket, at the end of
+    backward where nothing hides it. "sum" leaves the gradients summed, for losses already divided by the
+    global token count. 2(N-1)/N × bucket bytes per rank."""
 
     def __init__(self, group: CommGroup, op: str = "avg", releases: bool = False):
         if op not in ("avg", "sum"):
             raise ValueError(f"reduce_op must be 'avg' or 'sum', got '{op}'")
-        self.group, self.op, self.releases = group, op, releases
+        self.group, self.releases = group, releases
+        self.scale = 1.0 / group.size if op == "avg" and group.size > 1 else None
 
     def launch(self, bucket: Bucket) -> object:
-        return comm.all_reduce(bucket.buffer, self.group, op=self.op, async_op=True)
+        return comm.all_reduce(bucket.buffer, self.group, op="sum", async_op=True)
 
     def complete(self, bucket: Bucket, pending: object) -> None:
         pending.wait()
@@ -144,16 +149,21 @@ class GradReducer:
         self.reduction.begin()
 
     def _take(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
-        """Write p's gradient (zeros if it has none) into its slot; ``p.grad`` becomes the slot, or None.
-        (Plain tensor ops on gradients, which autograd does not record: no ``no_grad`` needed here.)"""
+        """Write p's gradient (zeros if it has none) into its slot, times the reduction's ``scale``;
+        ``p.grad`` becomes the slot, or None. (Plain tensor ops on gradients, which autograd does not
+        record: no ``no_grad`` needed here.)"""
         bucket.filled.add(i)
         bucket.allocate()
-        view = bucket.view(i)
+        view, scale = bucket.view(i), self.reduction.scale
         if p.grad is None:
             view.zero_()
             bucket.empty.add(i)
-        elif p.grad.data_ptr() == view.data_ptr():
-            return  # accumulated straight into its slot: nothing to move
+        elif p.grad.data_ptr() == view.data_ptr():  # accumulated straight into its slot: nothing to move
+            if scale is not None:
+                view.mul_(scale)
+            return
+        elif scale is not None:
+            torch.mul(p.grad, scale, out=view)
         else:
             view.copy_(p.grad)
         p.grad = view if self.reduction.keeps_views else None
