@@ -162,6 +162,16 @@ def test_local_sgd_every_step_with_sgd_matches_single_process(rank_pool, tmp_pat
 
 
 @pytest.mark.multirank
+def test_local_sgd_sums_gradients_over_cp_like_one_process(rank_pool, tmp_path, corpus_cache, references):
+    """One replica split over two cp ranks: their gradients summed (one flat all-reduce) every step."""
+    sgd = ["--optim.name=sgd", "--optim.grad_clip=0"]
+    args = tiny_args(tmp_path, corpus_cache, steps=3, extra=[*MODEL, *sgd, "--ddp.mode=local-sgd",
+                                                             "--parallel.cp=2", "--run.name=lcp"])
+    results = rank_pool.run(mode_worker, 2, args=args)
+    assert_equal_runs(references("sgd", *sgd), metrics(tmp_path / "lcp"), *results[0])
+
+
+@pytest.mark.multirank
 def test_local_sgd_replicas_agree_exactly_at_every_average(rank_pool, tmp_path, corpus_cache):
     args = tiny_args(tmp_path, corpus_cache, steps=4, extra=[*MODEL, "--ddp.mode=local-sgd",
                                                              "--ddp.average_every=2", "--run.name=k2"])

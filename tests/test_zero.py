@@ -138,3 +138,17 @@ def test_zero2_matches_single_process(rank_pool, world, replicate, offload, ckpt
 @pytest.mark.parametrize("world,replicate,offload,ckpt,accum", LAYOUTS)
 def test_zero3_matches_single_process(rank_pool, world, replicate, offload, ckpt, accum):
     check_matches_single_process(rank_pool, 3, world, replicate, offload, ckpt, accum)
+
+
+def test_unflatten_views_and_copy_from_flat_lay_tensors_end_to_end():
+    from tessera.comm.flat import copy_from_flat, unflatten_views
+
+    like = [torch.zeros(2, 3), torch.zeros(4), torch.zeros(1, 1, dtype=torch.float64)]
+    flat = torch.arange(11, dtype=torch.float32)
+    views = unflatten_views(flat, like)
+    assert [v.shape for v in views] == [t.shape for t in like]
+    assert all(v.data_ptr() == flat[o:].data_ptr() for v, o in zip(views, (0, 6, 10)))  # views, not copies
+    copy_from_flat(like, flat)
+    assert torch.equal(like[1], torch.tensor([6.0, 7, 8, 9])) and like[2].dtype == torch.float64
+    padded = torch.arange(12, dtype=torch.float32)  # explicit offsets skip a gap
+    assert torch.equal(unflatten_views(padded, like[1:2], [8])[0], torch.tensor([8.0, 9, 10, 11]))

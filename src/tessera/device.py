@@ -27,6 +27,20 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(kind, local_rank)
 
 
+def computes_on_cpu(name: str) -> bool:
+    """Whether ``run.device`` = ``name`` resolves to the CPU on this machine (``resolve_device``'s rule;
+    a name that would fail there, e.g. "cuda" without an accelerator, is not the CPU)."""
+    return name == "cpu" or (name == "auto" and accelerator_type() is None)
+
+
+def visible_devices(device: torch.device) -> list[str]:
+    """Every visible device of ``device``'s kind, by name: the CPU is one ("cpu"), an accelerator's kind
+    lists each index ("cuda:0", "cuda:1", ...)."""
+    if device.type == "cpu":
+        return [str(device)]
+    return [f"{device.type}:{i}" for i in range(torch.accelerator.device_count())]
+
+
 def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else "nccl"
 

@@ -17,19 +17,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tessera.comm.flat import offsets_of
+
 
 def padded_size(numel: int, world: int) -> int:
     """The smallest multiple of ``world`` that holds ``numel`` elements (at least ``world``)."""
     return max(-(-numel // world), 1) * world
-
-
-def offsets_of(params: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Start offset of each tensor in a flat buffer, and the unpadded total."""
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    return offsets, total
 
 
 @dataclass(eq=False)
@@ -45,10 +38,13 @@ class Bucket:
     pending: object = None  # the reduction in flight
 
     def allocate(self) -> torch.Tensor:
-        """The buffer, made (zeros) if not held."""
+        """The buffer, made if not held. Only its padding is zeroed: the reducer writes every slot (a
+        gradient, or zeros) before a reduction reads the buffer, so zeroing it all would be one more pass
+        over every gradient byte, each step for engines that release their buffers (ZeRO-1/2)."""
         if self.buffer is None:
             p = self.params[0]
-            self.buffer = torch.zeros(self.size, dtype=p.dtype, device=p.device)
+            self.buffer = torch.empty(self.size, dtype=p.dtype, device=p.device)
+            self.buffer[self.offsets[-1] + self.params[-1].numel():].zero_()
         return self.buffer
 
     def view(self, i: int) -> torch.Tensor:

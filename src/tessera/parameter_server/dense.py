@@ -26,6 +26,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm import CommGroup
+from tessera.comm.flat import copy_from_flat, unflatten_views
 from tessera.errors import ConfigError
 
 DENSE_STRATEGIES = ("ps_rank0", "ps_sharded", "allreduce")
@@ -63,13 +64,6 @@ class DenseParameterSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return self._flat(grads, length)
 
-    def _write(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-
     def step(self) -> None:
         if self.strategy == "allreduce":
             flat_P = self._grads(self.numel)
@@ -85,7 +79,7 @@ class DenseParameterSync:
                 self.opt.step()
                 pieces = [self.master.detach().clone() for _ in range(self.group.size)]
             comm.scatter(new_P, pieces, self.group, src=0)
-            self._write(new_P)
+            copy_from_flat(self.params, new_P)
         else:
             grad_shard = torch.empty(self.shard, device=self.group.device)
             comm.reduce_scatter(grad_shard, self._grads(self.shard * self.group.size), self.group)
@@ -93,12 +87,10 @@ class DenseParameterSync:
             self.opt.step()
             full = torch.empty(self.shard * self.group.size, device=self.group.device)
             comm.all_gather(full, self.master.detach(), self.group)
-            self._write(full)
+            copy_from_flat(self.params, full)
         for p in self.params:
             p.grad = None
 
     def _write_grads(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        for p, g in zip(self.params, unflatten_views(flat, self.params)):
+            p.grad = g.clone()

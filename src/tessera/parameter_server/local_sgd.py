@@ -16,6 +16,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm import CommGroup
+from tessera.comm.flat import copy_from_flat
 from tessera.errors import ConfigError
 
 
@@ -35,10 +36,6 @@ class LocalSGD:
         params = list(self.model.parameters()) if isinstance(self.model, nn.Module) else list(self.model)
         flat_P = torch.cat([p.detach().reshape(-1) for p in params])
         comm.all_reduce(flat_P, self.group, op="avg")
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(flat_P[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_from_flat(params, flat_P)
         self.syncs += 1
         return True

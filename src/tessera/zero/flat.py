@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.data_parallel.buckets import offsets_of, padded_size
+from tessera.comm.flat import offsets_of
+from tessera.data_parallel.buckets import padded_size
 
 __all__ = ["flatten_fp32", "named_params_by_id", "offsets_of", "padded_size", "rank_slice", "slice_segments"]
 

@@ -18,6 +18,7 @@ import torch
 
 from tessera import comm
 from tessera.comm import CommGroup
+from tessera.comm.flat import copy_from_flat
 from tessera.grad_norm import clip_grad_norm
 from tessera.parameter_server.local_sgd import LocalSGD
 from tessera.precision.unscale import unscale_
@@ -72,8 +73,10 @@ class LocalSGDMode(DataParallelMode):
         """fp32: sum over the replica's cp ranks, make it the local batch's gradient, agree on finiteness
         everywhere, clip by the replica's norm. (norm, finite)."""
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        for g in grads:
-            comm.all_reduce(g, self.cp)
+        if grads and self.cp.size > 1:  # one all-reduce of the flat gradient [G], each element the same sum
+            flat_G = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat_G, self.cp)
+            copy_from_flat(grads, flat_G)
         if not unscale_(grads, inv_scale, [self.cp, *self.norm_axes.values(), self.dp], self.device):
             return float("inf"), False
         params = [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -49,6 +49,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm import CommGroup, CommLedger
+from tessera.comm.flat import copy_from_flat, unflatten_views
 from tessera.errors import ConfigError
 from tessera.grad_norm import GradPiece, clip_grad_norm
 from tessera.parameter_server.consistency import StalenessClock
@@ -157,12 +158,14 @@ class AsyncParameterServer(DataParallelMode):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.owner = [server_of(i, mode, self.N) for i in range(len(self.params))]
         self.servers = sorted(set(self.owner))
+        # server -> the tensors it serves, in ``self.params`` order (fixed: the model and the layout are)
+        self.served = {s: [p for p, o in zip(self.params, self.owner) if o == s] for s in self.servers}
         timeout = world.timeout.total_seconds()
         bound = staleness if consistency == "ssp" else None
         self.server = None
         if self.rank in self.servers:
-            self.server = ShardServer(self.rank, self._of(self.rank), groups, make_optimizer, self.N, bound, timeout,
-                                      dtype)
+            self.server = ShardServer(self.rank, self.served[self.rank], groups, make_optimizer, self.N, bound,
+                                      timeout, dtype)
         self.dtype = dtype
         for p in model.parameters():  # after the servers cloned their fp32 masters: compute in ``dtype``
             p.data = p.data.to(dtype)
@@ -179,9 +182,6 @@ class AsyncParameterServer(DataParallelMode):
                         for (s, w) in self.links if s == self.rank]
         for t in self.threads:
             t.start()
-
-    def _of(self, server: int) -> list[torch.Tensor]:
-        return [p for p, o in zip(self.params, self.owner) if o == server]
 
     # ---- worker side -----------------------------------------------------------------------------
     def update(self, grad_clip: float, scaler=None) -> float | None:
@@ -234,12 +234,12 @@ class AsyncParameterServer(DataParallelMode):
             else:
                 link = self.links[(s, self.rank)]
                 head = torch.empty(1, dtype=torch.int64, device=link.device)
-                flat = torch.empty(sum(p.numel() for p in self._of(s)), dtype=self.dtype, device=link.device)
+                flat = torch.empty(sum(p.numel() for p in self.served[s]), dtype=self.dtype, device=link.device)
                 comm.recv(head, link, _peer(link))
                 comm.recv(flat, link, _peer(link))
                 version = int(head[0])
             self.read_version[s] = version
-            _write(self._of(s), flat)
+            copy_from_flat(self.served[s], flat)
 
     # ---- server side (one thread per remote worker) ----------------------------------------------
     def _serve(self, worker: int) -> None:
@@ -255,7 +255,7 @@ class AsyncParameterServer(DataParallelMode):
                     return
                 if kind == PUSH:
                     comm.recv(grad, link, peer)
-                    self.server.push(worker, step, _split(grad, self.server.clones), read_version)
+                    self.server.push(worker, step, unflatten_views(grad, self.server.clones), read_version)
                 version, flat = self.server.pull(worker, step + 1 if kind == PUSH else None)
                 comm.send(torch.tensor([version], dtype=torch.int64, device=link.device), link, peer)
                 comm.send(flat, link, peer)
@@ -314,17 +314,3 @@ def _pair_groups(world: CommGroup, servers: list[int], ledger: CommLedger,
 def _peer(link: CommGroup) -> int:
     """The group-local index of a two-rank link's other member."""
     return 1 - link.rank
-
-
-def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
-
-
-@torch.no_grad()
-def _write(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    for p, piece in zip(params, _split(flat, params)):
-        p.copy_(piece)

@@ -12,6 +12,7 @@ import torch
 
 from tessera import comm
 from tessera.comm import CommGroup
+from tessera.comm.flat import copy_from_flat, unflatten_views
 from tessera.grad_norm import clip_grad_norm
 from tessera.precision.unscale import unscale_
 from tessera.train.dp_modes.base import DataParallelMode, ModeParts, placeholder_optimizer
@@ -68,18 +69,13 @@ class RankZeroServerMode(DataParallelMode):
             torch.empty(self.numel, dtype=self.dtype, device=self.device)
         comm.broadcast(flat_P, self.dp, src=0)
         if self.mixed or not self.server:  # the served fp32 values into the (compute-dtype) parameters
-            offset = 0
-            for p in self.params:
-                p.copy_(flat_P[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            copy_from_flat(self.params, flat_P)
         return float(status[0])
 
     def _serve(self, total_P: torch.Tensor, max_norm: float, scaler) -> torch.Tensor:
         """On the server: the summed gradient [P] into the masters' grads, unscaled, checked, clipped."""
-        offset = 0
-        for m in self.masters:
-            m.grad = total_P[offset:offset + m.numel()].view_as(m)
-            offset += m.numel()
+        for m, g in zip(self.masters, unflatten_views(total_P, self.masters)):
+            m.grad = g  # a view: unscaling total_P below unscales the masters' gradients
         # the servers of every tp slice (and of every stage under a pipeline: norm_axes' "pp")
         checks = [self.tp, *(g for axis, g in self.norm_axes.items() if axis != "tp")]
         if not unscale_([total_P], 1.0 / scaler.scale if scaler.active else 1.0, checks, self.device):

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import torch
-
+from tessera.device import computes_on_cpu
 from tessera.errors import ConfigError
 from tessera.train.dp_modes.base import DataParallelMode, ModeParts
 
@@ -75,15 +74,11 @@ def _refusal(cfg, parallel, replicas: int) -> str:
                 "use another schedule (e.g. '2bw')")
     if single and math.prod(parallel.degrees().values()) != 1:
         return "one process drives every device of ddp.devices; run it as one rank (run.nproc=1)"
-    if single and not cfg.ddp.devices and _cpu_only(cfg.run.device):
+    if single and not cfg.ddp.devices and computes_on_cpu(cfg.run.device):
         return 'on a CPU it needs the devices to drive, e.g. ddp.devices=["cpu", "cpu"]'
     if not single and replicas * parallel.cp == 1:
         return "it combines data-parallel replicas, and this job has one (raise parallel.dp_replicate)"
     return ""
-
-
-def _cpu_only(device: str) -> bool:
-    return device == "cpu" or (device == "auto" and not torch.accelerator.is_available())
 
 
 def _local_sgd(parts: ModeParts) -> DataParallelMode:

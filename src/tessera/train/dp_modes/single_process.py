@@ -13,17 +13,11 @@ from __future__ import annotations
 import torch
 
 from tessera.comm import CommGroup
+from tessera.device import visible_devices
 from tessera.grad_norm import clip_grad_norm
 from tessera.parameter_server.legacy_dp import DataParallel
 from tessera.precision.unscale import unscale_
 from tessera.train.dp_modes.base import DataParallelMode, ModeParts
-
-
-def default_devices(device: torch.device) -> list[str]:
-    """``ddp.devices`` left empty: every visible accelerator of ``device``'s kind (a CPU has no list)."""
-    if device.type == "cpu":
-        return [str(device)]
-    return [f"{device.type}:{i}" for i in range(torch.accelerator.device_count())]
 
 
 class SingleProcessMode(DataParallelMode):
@@ -38,7 +32,8 @@ class SingleProcessMode(DataParallelMode):
             engine = build_engine(model, groups, parts.make_optimizer, single, single, 0, parts.zero,
                                   parts.precision, self.device, norm_axes=parts.norm_axes,
                                   param_axes=parts.axes_of)
-        wrapper = DataParallel(engine if engine is not None else model, ddp.devices or default_devices(parts.device),
+        # ddp.devices left empty: every visible device of run.device's kind (validation asks a CPU for a list)
+        wrapper = DataParallel(engine if engine is not None else model, ddp.devices or visible_devices(parts.device),
                                variable_device=self.device)
         super().__init__(wrapper, engine.optimizer if engine is not None else parts.make_optimizer(groups), engine)
 
