@@ -46,6 +46,7 @@ from tessera.checkpoint.pieces import Piece
 from tessera.checkpoint.placement import Placer, flat_boxes
 from tessera.zero import FullyShardedDataParallel
 from tessera.zero.offload import StreamedAdamW, on_disk, refresh_mirror
+from tessera.zero.offload.adamw import optimizer_kind, state_keys
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -53,31 +54,30 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     checkpoint can be loaded into it in place: Adam/AdamW (step, exp_avg, exp_avg_sq), SGD with momentum
     (momentum_buffer; dampening 0, so 0·momentum + grad is torch's first-step copy of the gradient) and
     Adagrad (which creates its step and sum when built). Taking a step from it gives the same result as
-    from a fresh optimizer."""
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return
-    if isinstance(optimizer, torch.optim.SGD):
-        for group in optimizer.param_groups:
-            for p in group["params"] if group["momentum"] else ():  # plain SGD keeps no state
-                if not optimizer.state[p]:
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-        raise TypeError(f"checkpoint pieces know Adam/AdamW, SGD and Adagrad state, not {type(optimizer).__name__}")
+    from a fresh optimizer. The key names are :func:`state_keys`' (one list for this and disk offload)."""
     if isinstance(optimizer, StreamedAdamW):  # disk offload: the state of file-backed masters in files too
         optimizer.ensure_state()
         return
+    try:
+        kind = optimizer_kind(optimizer)
+    except TypeError:
+        raise TypeError(f"checkpoint pieces know Adam/AdamW, SGD and Adagrad state, not "
+                        f"{type(optimizer).__name__}") from None
+    if kind == "adagrad":
+        return
     for group in optimizer.param_groups:
+        keys = state_keys(kind, group)
+        if not keys:
+            continue  # plain SGD keeps no state (and gets no empty entry in optimizer.state)
         for p in group["params"]:
             state = optimizer.state[p]
             if state:
                 continue
-            on_device = group.get("capturable", False) or group.get("fused", False)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad", False):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if kind == "adam":  # torch keeps a capturable / fused step on the parameter's device
+                on_device = group.get("capturable", False) or group.get("fused", False)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            for key in keys:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def state_pieces(core: nn.Module, optimizer: torch.optim.Optimizer | None, topology=None,

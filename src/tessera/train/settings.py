@@ -113,6 +113,14 @@ def _dynamic(cfg, par) -> bool:
     return scale == "dynamic" or (scale == "auto" and cfg.precision.dtype == "fp16")
 
 
+# the fp16 dynamic loss scaler's keys: one scope, read only when the scale is dynamic
+DYNAMIC_SCALE_KEYS = ("precision.init_scale", "precision.growth_interval", "precision.hysteresis",
+                      "precision.min_loss_scale", "precision.consecutive_hysteresis", "precision.growth_delay")
+# the learning-rate decay's keys, unused by the schedules that hold the rate after their warm-up
+DECAY_KEYS = ("optim.min_lr_ratio", "optim.total_steps")
+NON_DECAYING = ("constant", "deepspeed-warmup")
+
+
 SCOPES: tuple[Scope, ...] = (
     Scope(_keys(*AUTO_KEYS), lambda c, p: not c.parallel.auto, "when the layout is chosen by hand",
           lambda c, p: "parallel.auto=true chooses it"),
@@ -156,7 +164,7 @@ SCOPES: tuple[Scope, ...] = (
     Scope(_keys("zero.offload_dir", "zero.offload_chunk_mb"), lambda c, p: c.zero.offload == "disk",
           "with disk offload (zero.offload='disk')", lambda c, p: f"zero.offload={str(c.zero.offload)!r}"),
     Scope(_keys("ddp.bucket_mb", "ddp.find_unused_parameters"), _ddp, "when DDP reduces the gradients", _no_ddp),
-    Scope(_keys("precision.init_scale", "precision.growth_interval"), _dynamic,
+    Scope(_keys(*DYNAMIC_SCALE_KEYS), _dynamic,
           "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
           lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
     Scope(_keys("checkpointing.every"), lambda c, p: c.checkpointing.mode != "none",
@@ -185,18 +193,11 @@ SCOPES: tuple[Scope, ...] = (
           lambda c, p: "optim.name='sgd'"),
     Scope(_keys("optim.decay_fraction"), lambda c, p: c.optim.schedule == "wsd", "to optim.schedule='wsd'",
           lambda c, p: f"optim.schedule={c.optim.schedule!r}"),
-    Scope(_keys("optim.min_lr_ratio", "optim.total_steps"), lambda c, p: c.optim.schedule != "constant",
-          "to the decaying schedules (cosine, linear, wsd)", lambda c, p: "optim.schedule='constant' never decays"),
+    Scope(_keys(*DECAY_KEYS), lambda c, p: c.optim.schedule not in NON_DECAYING,
+          "to the decaying schedules (cosine, linear, wsd, deepspeed-warmup-decay, deepspeed-warmup-cosine)",
+          lambda c, p: f"optim.schedule={c.optim.schedule!r} never decays"),
     Scope(_keys("optim.warmup_type", "optim.warmup_min_ratio"), lambda c, p: c.optim.warmup_steps > 0,
           "with a warm-up (optim.warmup_steps > 0)", lambda c, p: "optim.warmup_steps=0"),
-    Scope(_keys("precision.hysteresis", "precision.min_loss_scale"), _dynamic,
-          "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
-          lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
-    Scope(_keys("optim.min_lr_ratio", "optim.total_steps"), lambda c, p: c.optim.schedule != "deepspeed-warmup",
-          "to the decaying schedules", lambda c, p: "optim.schedule='deepspeed-warmup' never decays"),
-    Scope(_keys("precision.consecutive_hysteresis", "precision.growth_delay"), _dynamic,
-          "with dynamic loss scaling (precision.loss_scale='dynamic', or 'auto' with fp16)",
-          lambda c, p: f"precision.loss_scale={c.precision.loss_scale!r} with precision.dtype={c.precision.dtype!r}"),
     Scope(_keys("precision.consecutive_hysteresis"), lambda c, p: c.precision.hysteresis > 1,
           "with precision.hysteresis > 1", lambda c, p: "precision.hysteresis=1 halves at every overflow"),
 )

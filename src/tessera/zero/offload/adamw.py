@@ -75,7 +75,8 @@ def optimizer_kind(template: torch.optim.Optimizer) -> str:
 
 
 def state_keys(kind: str, group: dict) -> tuple[str, ...]:
-    """The [n] state tensors a master of ``group`` keeps (besides the 0-d step of Adam and Adagrad)."""
+    """The [n] state tensors a master of ``group`` keeps (besides the 0-d step of Adam and Adagrad): the one
+    list of names, which :func:`tessera.checkpoint.state.ensure_optimizer_state` creates too."""
     if kind == "sgd":
         return ("momentum_buffer",) if group["momentum"] else ()
     if kind == "adagrad":
