@@ -17,7 +17,7 @@ from tessera.train.step import forward_backward
 from tessera.zero import ZeroConfig
 from tessera.zero.build import shard_model
 from tessera.zero.gather import plan_gathers
-from tessera.zero.live import least_live
+from tessera.zero.live import least_live, live_numel
 from test_zero import CLIP, CPU, LR, STEPS, local_micro_batches, make_model, make_optimizer, param_groups, single_process
 from tolerance import assert_close_but_few
 
@@ -92,6 +92,7 @@ def train_worker(rank, world_size, stage, zero: dict):
         else:
             out.update(peak=engine.live.peak, least=least_live(engine.units))
             params = engine.full_state()
+            out["tally"] = (engine.live.tally.numel, live_numel(engine.units))  # running count, recount
         out["params"] = params
         return out
     finally:
@@ -137,6 +138,7 @@ def test_zero3_prefetch_params_and_max_live_params_match_single_process(rank_poo
     assert free["peak"] > limit  # unlimited, prefetching 3 units holds more than the limit
     for r in check_zero3(rank_pool, {"prefetch": 3, "max_live_params": limit}):
         assert least <= r["peak"] <= limit
+        assert r["tally"][0] == r["tally"][1]  # the running live count agrees with summing every flat
     check_zero3(rank_pool, {"prefetch_params": 10_000})  # two units ahead (each under 10,000)
     check_zero3(rank_pool, {"prefetch_params": 10_000, "max_live_params": least, "reshard_after_forward": False})
     refused = rank_pool.run(train_worker, 2, stage=3, zero={"max_live_params": least - 1})[0]

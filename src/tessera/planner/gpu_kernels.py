@@ -184,8 +184,14 @@ def zero3_exposed(spec, layout, link, hidden_per_mb: float, elem: int, grad_shar
     def scatter(nbytes):
         return cm.reduce_scatter_s(nbytes * grad_share, n, link)
 
-    units = [layer] * round(layers) + ([head] if head else [])
+    def left_exposed(nbytes):  # a unit's gathers and reduce-scatter past its neighbours' compute
+        g = gather(nbytes)
+        return max(0.0, g - forward) + max(0.0, g + scatter(nbytes) - backward)
+
+    per_layer = left_exposed(layer)  # the layers are alike: one α–β evaluation serves them all
     exposed = gather(embed) + scatter(embed)
-    for unit in units:
-        exposed += max(0.0, gather(unit) - forward) + max(0.0, gather(unit) + scatter(unit) - backward)
+    for _ in range(round(layers)):  # added one by one, not multiplied: the same float sum as per unit
+        exposed += per_layer
+    if head:
+        exposed += left_exposed(head)
     return exposed

@@ -66,6 +66,7 @@ class FlatParam:
         self.full = _without_storage(self.size, dtype, device).requires_grad_(trainable)
         self.pending = None  # handle of an in-flight all-gather
         self.gathered = False
+        self.tally = None  # a LiveTally (tessera.zero.live) this flat adds its size to while gathered
         self.reduced = False  # its gradient's reduce-scatter was launched in the current backward
         for p, locs in zip(params, self.locations):
             for owner, attr in locs:
@@ -111,6 +112,8 @@ class FlatParam:
         # .data: writing the gathered values must not bump the version counter autograd checks
         self.pending = comm.all_gather(self.full.data, source, self.group_shard, async_op=True)
         self.gathered = True
+        if self.tally is not None:
+            self.tally.numel += self.size
         if not async_op:
             self.wait()
 
@@ -124,6 +127,8 @@ class FlatParam:
             self.wait()
             self._free()
             self.gathered = False
+            if self.tally is not None:
+                self.tally.numel -= self.size
 
     def use_views(self) -> None:
         """Point every owning module attribute at its slice of ``full`` (creates autograd views; with grad

@@ -31,6 +31,14 @@ def live_numel(units) -> int:
     return sum(f.size for u in units for f in u.flats if f.gathered)
 
 
+class LiveTally:
+    """Parameters held gathered now: each flat reporting to it adds its size on gather and subtracts it on
+    reshard (``FlatParam.tally``), so the limit is checked in O(1), not by summing over every unit."""
+
+    def __init__(self, numel: int = 0):
+        self.numel = numel
+
+
 def least_live(units) -> int:
     """The most any unit needs gathered at once: itself, with every unit whose module contains it."""
     inside = {id(u): {id(m) for m in u.module.modules()} for u in units}
@@ -45,6 +53,9 @@ class LivePolicy:
         self.units, self.prefetch = units, prefetch
         self.prefetch_params, self.max_live = prefetch_params, max_live_params
         self.peak = 0  # the most parameters held gathered at once (recorded under a live limit)
+        self.tally = LiveTally(live_numel(units))  # every flat of ``units`` keeps it up to date
+        for f in (f for u in units for f in u.flats):
+            f.tally = self.tally
         need = least_live(units)
         if max_live_params and max_live_params < need:
             raise ConfigError(f"zero.max_live_params={max_live_params} is smaller than the {need} parameters "
@@ -68,7 +79,7 @@ class LivePolicy:
                 total += unit_numel(u)
         if not self.max_live:
             return chosen
-        live, out = live_numel(self.units), []
+        live, out = self.tally.numel, []
         for u in chosen:
             extra = sum(f.size for f in u.flats if not f.gathered)
             if live + extra > self.max_live:
@@ -83,19 +94,17 @@ class LivePolicy:
         if not self.max_live:
             return
         extra = sum(f.size for f in unit.flats if not f.gathered)
-        live = live_numel(self.units)
-        if live + extra <= self.max_live:
+        if self.tally.numel + extra <= self.max_live:
             return
         at = order.index(unit) if unit in order else len(order)
         # earlier units are needed again last (in backward, reverse order); then later ones, farthest first
         for other in order[:at] + order[at + 1 :][::-1]:
             if other is unit or other.is_root or busy(other) or not any(f.gathered for f in other.flats):
                 continue
-            live -= sum(f.size for f in other.flats if f.gathered)
             other.reshard()
-            if live + extra <= self.max_live:
+            if self.tally.numel + extra <= self.max_live:
                 return
 
     def record(self) -> None:
         if self.max_live:
-            self.peak = max(self.peak, live_numel(self.units))
+            self.peak = max(self.peak, self.tally.numel)
