@@ -53,6 +53,37 @@ def test_router_with_padding_equals_the_real_tokens_alone(top_k):
     torch.testing.assert_close(got.z_loss, alone.z_loss, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_real_tokens_counted_on_the_host_equal_the_routed_count(batch):
+    """The host's count of a group's real tokens (no wait for the device) is the router's own count."""
+    from tessera.models.moe import _real_count
+    from tessera.models.moe_tokens import route_padding_nowhere
+
+    torch.manual_seed(1)
+    counted_T = torch.rand(40) < 0.6
+    shifted_GK = torch.randint(0, E, (40, 2)) + (E + 1) * counted_T.logical_not().long()[:, None]
+    _, real_G = route_padding_nowhere(shifted_GK, batch, E)
+    assert _real_count(real_G, counted_T, batch, whole_group=True) == int(real_G.sum())
+
+
+def test_moe_layers_found_once_key_and_mark_as_the_model_walk():
+    """``MoELayers`` (found once) keys the noise with the block indices the model walk gives, and marks
+    and collects the same layers."""
+    from tessera.models.moe import MoELayers, key_tokens, mark_padding, moe_layers
+
+    model = Transformer(model_config("tiny", vocab_size=64, num_experts=E, moe_every=2), MoEConfig())
+    found = MoELayers(model)
+    assert list(found) == moe_layers(model) and len(found) > 0
+    key_tokens(model, 7, 3)
+    walked = [(layer.token_key.layer, layer.token_key.first_row) for layer in found]
+    key_tokens(found, 7, 3)
+    assert [(layer.token_key.layer, layer.token_key.first_row) for layer in found] == walked
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    mark_padding(found, mask)
+    assert all(layer.counted_BS is mask for layer in moe_layers(model))
+    assert moe_loss_sum(found) == 0.0  # nothing pending before a training forward
+
+
 def test_padded_moe_step_equals_its_rows_unpadded(tmp_path):
     """One bucketed fine-tuning step (padded rows, prompts) through an MoE transformer: its loss, gradients
     and routing counters equal those of its rows run one by one, unpadded. No capacity and no balance

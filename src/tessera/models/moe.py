@@ -38,7 +38,6 @@ Legend: T tokens, D model dim, E experts, K top-k, N dispatched rows, F expert h
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
@@ -47,69 +46,10 @@ from torch import nn
 
 from tessera.errors import ConfigError
 from tessera.models.feed_forward import FeedForward
-from tessera.models.moe_tokens import TokenKey, layer_index, route_padding_nowhere, token_uniform
+from tessera.models.moe_tokens import TokenKey, layer_index, real_tokens, route_padding_nowhere, token_uniform
+from tessera.models.moe_config import (NOISY_GATE_POLICIES, MoEConfig, expert_capacity,  # noqa: F401 (re-exported)
+                                       validate_moe)
 from tessera.models.moe_stats import MoEStats, format_stats  # noqa: F401 (format_stats: re-exported)
-
-NOISY_GATE_POLICIES = ("none", "jitter", "rsample")
-
-
-@dataclass
-class MoEConfig:
-    """Router and MoE-layer knobs (the ``[moe]`` config section)."""
-
-    top_k: int = 2  # experts each token is sent to (1 = Switch, 2 = GShard)
-    capacity_factor: float = 1.25  # training capacity: slots per expert = factor · k · T / E
-    eval_capacity_factor: float = 2.0  # the same in eval mode
-    min_capacity: int = 4  # lower bound on slots per expert (small groups drop too much otherwise)
-    drop_tokens: bool = True  # enforce capacity; False: no capacity, nothing is ever dropped
-    # "none", "jitter" (scale the router input) or "rsample" (training only: the k experts are SAMPLED
-    # from p without replacement, Gumbel-top-k). rsample keeps load balanced while the router's inputs are
-    # still nearly alike (early training: deterministic top-k then sends a whole batch to the same k
-    # experts); see docs/MOE.md "Load balancing on the default corpus".
-    noisy_gate_policy: str = "none"
-    jitter_eps: float = 1e-2  # jitter multiplies the router input by U(1-eps, 1+eps)
-    normalize_top_k: bool = True  # renormalise the k chosen gates to sum to 1 (k > 1)
-    use_residual: bool = False  # residual MoE: a dense MLP mixed with the experts (DeepSpeed)
-    num_shared_experts: int = 0  # always-on experts every token goes through (added to the output)
-    aux_loss_coef: float = 1e-2  # weight of the load-balancing loss
-    z_loss_coef: float = 1e-3  # weight of the router z-loss
-
-    def validate(self) -> MoEConfig:
-        if self.top_k < 1:
-            raise ConfigError(f"moe.top_k must be at least 1, got {self.top_k}.")
-        if not (self.capacity_factor > 0 and self.eval_capacity_factor > 0):
-            raise ConfigError("moe.capacity_factor and moe.eval_capacity_factor must be positive.")
-        if self.min_capacity < 0 or self.num_shared_experts < 0:
-            raise ConfigError("moe.min_capacity and moe.num_shared_experts must not be negative.")
-        if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise ConfigError(f"moe.noisy_gate_policy must be one of {', '.join(NOISY_GATE_POLICIES)}, "
-                              f"got {self.noisy_gate_policy!r}.")
-        if not 0 <= self.jitter_eps < 1:
-            raise ConfigError(f"moe.jitter_eps must be in [0, 1), got {self.jitter_eps}.")
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
-            raise ConfigError("moe.aux_loss_coef and moe.z_loss_coef must not be negative.")
-        return self
-
-
-def validate_moe(moe: MoEConfig, num_experts: int, ep: int = 1) -> None:
-    """Checks that need the model and the parallel layout; raises ConfigError with one sentence."""
-    moe.validate()
-    if num_experts <= 0:
-        if ep > 1:
-            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.num_experts "
-                              f"(or use --model.preset=moe-small).")
-        return
-    if moe.top_k > num_experts:
-        raise ConfigError(f"moe.top_k={moe.top_k} exceeds the number of experts {num_experts}.")
-    if num_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the number of experts {num_experts} so every "
-                          f"expert-parallel rank holds the same number of experts.")
-
-
-def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float, min_capacity: int) -> int:
-    """Slots per expert for a routing group of ``tokens`` tokens (see module doc)."""
-    return min(tokens, max(min_capacity, math.ceil(factor * top_k * tokens / num_experts)))
-
 
 @dataclass
 class Routing:
@@ -155,7 +95,8 @@ class Router(nn.Module):
         ``key`` names the tokens for the training noise (None: torch's random state draws it).
         ``counted_T`` (bool [T]: the token's target counts; None: all do) marks padding, a row's tail of
         uncounted targets (``moe_tokens.real_tokens``): it chooses no expert, so it takes no slot and has no part in
-        the capacity, aux, z or counters, as if the group held only its real tokens."""
+        the capacity, aux, z or counters, as if the group held only its real tokens. It may lie on the host
+        (the trainer's, from the host's targets): then the group's real tokens are counted there."""
         cfg, n_exp, k = self.cfg, self.num_experts, self.cfg.top_k
         if self.training and cfg.noisy_gate_policy == "jitter":  # Switch: multiplicative input noise
             u_TD = _uniform(key, batch, x_TD.shape, x_TD.device)
@@ -171,13 +112,14 @@ class Router(nn.Module):
         if k > 1 and cfg.normalize_top_k:
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
         if counted_T is not None:  # uncounted targets ride along with the choices, shifted by n_exp + 1
-            expert_TK = expert_TK + (n_exp + 1) * counted_T.logical_not().long()[:, None]
+            uncounted_T = counted_T.to(x_TD.device, non_blocking=True).logical_not()  # host → device: no wait
+            expert_TK = expert_TK + (n_exp + 1) * uncounted_T.long()[:, None]
         group_GK, mine_T = self.group_choices(expert_TK, batch)  # G = tokens in the routing group
         valid_T = None
         if counted_T is not None:  # padding is a tail of the WHOLE row: decided over the group
             group_GK, real_G = route_padding_nowhere(group_GK, batch, n_exp)
             expert_TK, valid_T = (group_GK, real_G) if mine_T is None else (group_GK[mine_T], real_G[mine_T])
-        tokens = group_GK.shape[0] if valid_T is None else int(real_G.sum())
+        tokens = group_GK.shape[0] if valid_T is None else _real_count(real_G, counted_T, batch, mine_T is None)
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = (expert_capacity(tokens, n_exp, k, factor, cfg.min_capacity) if cfg.drop_tokens
                     else tokens * k)
@@ -203,6 +145,14 @@ class Router(nn.Module):
 
         One device holds the whole group: (``expert_TK``, None). Context parallelism overrides this."""
         return expert_TK, None
+
+
+def _real_count(real_G: torch.Tensor, counted_T: torch.Tensor, batch: int, whole_group: bool) -> int:
+    """Real tokens in the routing group (an int: it sets the capacity); from the host's mask ``counted_T``
+    [T] when this device holds the whole group (the same count as ``real_G`` [G]: no wait for the device)."""
+    if whole_group and counted_T.device.type == "cpu":
+        return int(real_tokens(counted_T.reshape(batch, -1)).sum())
+    return int(real_G.sum())
 
 
 def _uniform(key: TokenKey | None, batch: int, shape: torch.Size, device) -> torch.Tensor:
@@ -295,7 +245,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        counted_T = None if self.counted_BS is None else self.counted_BS.reshape(-1).to(x_TD.device)
+        counted_T = None if self.counted_BS is None else self.counted_BS.reshape(-1)  # the router moves it
         routing = self.router(x_TD, batch=x_BSD.shape[0] if x_BSD.dim() == 3 else 1, key=self.token_key,
                               counted_T=counted_T)
         y_TD = self.run_experts(x_TD, routing)
@@ -354,18 +304,30 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def key_tokens(model: nn.Module, seed: int | None, first_row: int = 0) -> None:
+class MoELayers(list):
+    """A model's MoE feed-forwards found once, in module order, with their block indices (``indices``: they
+    name the tokens' noise). The helpers below take one in place of the model, so a caller that marks every
+    micro-batch does not walk the modules each time; find it after expert parallelism replaced the layers."""
+
+    def __init__(self, model: nn.Module):
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+        super().__init__(m for _, m in named)
+        self.indices = [layer_index(n, i) for i, (n, _) in enumerate(named)]
+
+
+def key_tokens(model: nn.Module | MoELayers, seed: int | None, first_row: int = 0) -> None:
     """Name the next micro-batch's tokens for every MoE layer's training noise: its rows are the run's
     samples ``first_row``, ``first_row + 1``, … (``seed`` None: forget the key, use torch's random state).
     ``Transformer.forward`` adds the positions (:func:`key_positions`)."""
-    for i, (name, layer) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)):
-        layer.token_key = None if seed is None else TokenKey(seed, layer_index(name, i), first_row)
+    found = model if isinstance(model, MoELayers) else MoELayers(model)
+    for index, layer in zip(found.indices, found):
+        layer.token_key = None if seed is None else TokenKey(seed, index, first_row)
 
 
-def mark_padding(model: nn.Module, counted_BS: torch.Tensor | None) -> None:
+def mark_padding(model: nn.Module | MoELayers, counted_BS: torch.Tensor | None) -> None:
     """Tell every MoE layer which targets [B, S] of the next micro-batches count (None: all do), so its
     router leaves the padding (``moe_tokens.real_tokens``) out."""
-    for layer in moe_layers(model):
+    for layer in model if isinstance(model, MoELayers) else moe_layers(model):
         layer.counted_BS = counted_BS
 
 
@@ -376,7 +338,7 @@ def key_positions(model: nn.Module, positions_L: torch.Tensor | None) -> None:
             layer.token_key.positions_L = positions_L
 
 
-def moe_loss_sum(model: nn.Module) -> torch.Tensor | float:
+def moe_loss_sum(model: nn.Module | MoELayers) -> torch.Tensor | float:
     """The routing loss of the last training forward, as a SUM to add to the summed token loss.
 
     Call once per micro-batch, right after ``model(x)``: ``(ce_sum + moe_loss_sum(model)) / global_tokens``
@@ -384,7 +346,7 @@ def moe_loss_sum(model: nn.Module) -> torch.Tensor | float:
     eval mode, or when already collected.
     """
     total: torch.Tensor | float = 0.0
-    for layer in moe_layers(model):
+    for layer in model if isinstance(model, MoELayers) else moe_layers(model):
         if layer.pending_loss is not None:
             total = total + layer.pending_loss
             layer.pending_loss = None

@@ -23,17 +23,18 @@ from typing import Any
 
 from torch import nn
 
-from tessera.models.moe import key_tokens, mark_padding, moe_layers
+from tessera.models.moe import MoELayers, key_tokens, mark_padding
 from tessera.models.moe_tokens import TokenKey
 from tessera.train.step import counted_targets
 
 
 class StageKeys:
-    """``before_compute`` of a pipeline executor over ``stages`` ({virtual stage: module}); stages without
-    MoE layers are left alone."""
+    """``before_compute`` of a pipeline executor over ``stages`` ({virtual stage: module}, prepared: their
+    MoE layers are found once, here); stages without MoE layers are left alone."""
 
     def __init__(self, stages: dict[int, nn.Module]):
-        self.stages = {s: m for s, m in stages.items() if moe_layers(m)}
+        found = {s: MoELayers(m) for s, m in stages.items()}
+        self.moe = {s: layers for s, layers in found.items() if layers}  # {stage: its MoE layers}
         self.rows: tuple[int, int, int] | None = None  # (seed, first row, rows per step); None: no key
         self.m = 1  # micro-batches of this step
         self._used: dict[tuple[int, int], list[TokenKey | None]] = {}  # (stage, first row) -> F's keys
@@ -46,28 +47,28 @@ class StageKeys:
         """Forget the marks: later forwards outside the executor are not these rows (the keys of
         in-flight look-ahead micro-batches stay kept for their backward in the next step)."""
         self.rows = None
-        for module in self.stages.values():
-            key_tokens(module, None)
-            mark_padding(module, None)
+        for layers in self.moe.values():
+            key_tokens(layers, None)
+            mark_padding(layers, None)
 
     def __call__(self, kind: str, stage: int, mb: int, micro: tuple[Any, Any]) -> None:
-        module = self.stages.get(stage)
-        if module is None:
+        layers = self.moe.get(stage)
+        if layers is None:
             return
         x_BS, y_BS = micro
-        mark_padding(module, counted_targets(y_BS))
+        mark_padding(layers, counted_targets(y_BS))
         if self.rows is None:
-            key_tokens(module, None)
+            key_tokens(layers, None)
             return
         seed, first, step_rows = self.rows
         row = first + (mb // self.m) * step_rows + (mb % self.m) * x_BS.shape[0]
         if kind == "F":
-            key_tokens(module, seed, row)
-            self._used[(stage, row)] = [layer.token_key for layer in moe_layers(module)]
+            key_tokens(layers, seed, row)
+            self._used[(stage, row)] = [layer.token_key for layer in layers]
             return
         keys = self._used.pop((stage, row), None)
         if keys is None:  # no forward of these rows kept its keys (cannot happen in a schedule): fresh ones
-            key_tokens(module, seed, row)
+            key_tokens(layers, seed, row)
             return
-        for layer, key in zip(moe_layers(module), keys):
+        for layer, key in zip(layers, keys):
             layer.token_key = key

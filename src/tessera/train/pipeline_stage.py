@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from tessera.context_parallel import zigzag_positions
-from tessera.models.moe import moe_layers, moe_loss_sum
+from tessera.models.moe import MoELayers, moe_loss_sum
 from tessera.parallelize import materialize_unless_sharded, parallelize_model_side
 
 
@@ -62,8 +62,9 @@ def stage_preparer(topology, settings, loss_weight: Callable[[], float] | None =
         if split > 1 and stage.tok_embeddings is None:
             # first, so that context parallelism's own hook finds the positions given
             stage.register_forward_pre_hook(_positions_hook(topology, split), with_kwargs=True, prepend=True)
-        if moe_layers(stage):
-            stage.register_forward_hook(_routing_loss_hook(weight))
+        moe = MoELayers(stage)  # after the strategies: expert parallelism replaces the layers
+        if moe:
+            stage.register_forward_hook(_routing_loss_hook(weight, moe))
         return stage
 
     return prepare
@@ -94,12 +95,12 @@ def _positions_hook(topology, split: int):
     return hook
 
 
-def _routing_loss_hook(loss_weight: Callable[[], float]):
+def _routing_loss_hook(loss_weight: Callable[[], float], moe: MoELayers):
     """Forward hook of a mixture-of-experts stage: collect the routing losses of this forward (a 0-d
-    sum over the stage's MoE layers) and tie them to the stage output (see :class:`_AddRoutingLoss`)."""
+    sum over the stage's MoE layers ``moe``) and tie them to the stage output (see :class:`_AddRoutingLoss`)."""
 
     def hook(module, args, out):
-        aux = moe_loss_sum(module)
+        aux = moe_loss_sum(moe)
         if isinstance(aux, torch.Tensor) and aux.requires_grad and torch.is_grad_enabled():
             return _AddRoutingLoss.apply(out, aux, loss_weight())
         return None

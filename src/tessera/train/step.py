@@ -19,7 +19,7 @@ from torch import nn
 from tessera import comm
 from tessera.comm.group import CommGroup
 from tessera.models import cross_entropy_sum, moe_loss_sum
-from tessera.models.moe import key_tokens, mark_padding, moe_layers
+from tessera.models.moe import MoELayers, key_tokens, mark_padding
 
 IGNORE_INDEX = -100
 
@@ -64,27 +64,28 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     phase = timer.phase if timer is not None else (lambda name: contextlib.nullcontext())
     total_tokens = global_token_count(batches, dp, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    last, moe = len(batches) - 1, bool(moe_layers(model))
+    moe = MoELayers(model)  # found once: every micro-batch marks them and collects their losses
+    last = len(batches) - 1
     for i, (x, y) in enumerate(batches):
         if moe:  # from the host's targets: on an accelerator its all() would wait for the copy below
-            mark_padding(model, counted_targets(y))
+            mark_padding(moe, counted_targets(y))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if rows is not None:  # this micro-batch's rows follow the previous ones' in the run's order
-            key_tokens(model, rows[0], rows[1] + sum(b[0].shape[0] for b in batches[:i]))
+            key_tokens(moe, rows[0], rows[1] + sum(b[0].shape[0] for b in batches[:i]))
         sync = i == last or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             tracking = activation_tracker() if (activation_tracker and i == 0) else contextlib.nullcontext()
             with phase("forward"):
                 with tracking:  # the loss's saved logits count as activations too
                     s, _ = loss_fn(model(x), y, ignore_index=IGNORE_INDEX)
-                scaled = (s + moe_loss_sum(model)) / total_tokens.to(s.dtype)
+                scaled = (s + moe_loss_sum(moe)) / total_tokens.to(s.dtype)
             with phase("backward"):
                 (scaled * loss_scale if loss_scale != 1.0 else scaled).backward()
         loss_sum += s.detach().double()
     if rows is not None:
-        key_tokens(model, None)  # later forwards (outside a step) are not these rows
+        key_tokens(moe, None)  # later forwards (outside a step) are not these rows
     if moe:
-        mark_padding(model, None)
+        mark_padding(moe, None)
     comm.all_reduce(loss_sum, dp)
     return StepResult(loss=float(loss_sum / total_tokens), tokens=int(total_tokens))
 
@@ -96,17 +97,17 @@ def evaluate(model: nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tens
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
-    moe = bool(moe_layers(model))
+    moe = MoELayers(model)
     for micro_batches in batches:
         for x, y in micro_batches:
             if moe:  # padding takes no expert capacity in evaluation either (from the host's targets)
-                mark_padding(model, counted_targets(y))
+                mark_padding(moe, counted_targets(y))
             y = y.to(device)
             s, n = loss_fn(model(x.to(device)), y, ignore_index=IGNORE_INDEX)
             totals[0] += s.double()
             totals[1] += n
     if moe:
-        mark_padding(model, None)
+        mark_padding(moe, None)
     comm.all_reduce(totals, dp)
     model.train(was_training)
     return float(totals[0] / totals[1])
