@@ -8,8 +8,8 @@ torch AdamW (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices
 FSDP2 and tessera ZeRO-3 use the same units (each transformer block, the embedding and the output head,
 then the root). "offload" is tessera's ``zero.offload``, torch's ``CPUOffloadPolicy(pin_memory=False)`` and
 DeepSpeed's ``offload_optimizer`` + ``offload_param`` (see _deepspeed.py for DeepSpeed's configuration).
-Before timing, every variant's first-batch loss must equal DDP's and its loss after one update must be within
-1e-4 (relative) of DDP's: otherwise the script refuses to time unlike runs (one sentence, exit code 1).
+Before timing, every variant's first-batch loss must equal DDP's, its first gradient norm (before clipping)
+and its loss after one update must be within 1e-4 (relative) of DDP's: otherwise the script refuses to time unlike runs (one sentence, exit code 1).
 
 Model state is counted outside the timed steps, in one extra step per variant after the rounds: the larger
 of two snapshots (after backward, after the update) of the live tensors (storage-deduplicated, this rank's
@@ -82,7 +82,10 @@ class Variant:
     def __init__(self, kind: str, preset: str, topo: Topology, micro_batch: int):
         torch.manual_seed(0)
         core = Transformer(model_config(preset))
-        self.kind, self.opt, self.loss = kind, None, None
+        self.kind, self.opt, self.loss, self.grad_norm = kind, None, None, None
+        # tessera's ZeRO reduces by sum and takes the mean from the loss (its trainer divides the summed
+        # token loss by the global token count): 1/N here, so every variant steps with the same mean gradient
+        self.loss_weight = 1.0 / topo.size("dp") if kind.startswith("zero") else 1.0
         offload = kind.endswith("offload")
         if kind == "ddp":
             self.model = DistributedDataParallel(core, topo.group("dp"), reduce_op="avg")
@@ -115,21 +118,23 @@ class Variant:
         if self.kind.startswith("ds"):
             self.model.backward(loss)
         else:
-            loss.backward()
+            (loss * self.loss_weight if self.loss_weight != 1.0 else loss).backward()
         return loss.detach()
 
     def update(self) -> None:
         """Clip at 1.0 and step; DeepSpeed's ``step()`` clips, steps and clears its gradients."""
         if self.kind.startswith(("zero", "ds")):
             if self.kind.startswith("zero"):
-                self.model.clip_grad_norm(1.0)
+                self.grad_norm = self.model.clip_grad_norm(1.0)[0]
             self.model.step()
+            if self.kind.startswith("ds"):
+                self.grad_norm = self.model.get_global_grad_norm()
             return
         params = list(self.model.parameters())
         if self.kind == "ddp":
-            clip_grad_norm(params, {}, 1.0)  # DDP: gradients replicated, no norm axes
+            self.grad_norm = clip_grad_norm(params, {}, 1.0)  # DDP: gradients replicated, no norm axes
         else:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)  # a DTensor: read in check_losses
         self.opt.step()
 
     def zero_grad(self) -> None:
@@ -180,12 +185,18 @@ def check_losses(variants: list[Variant], x, y) -> dict[str, list[float]]:
     (LOSS_RTOL), or the variants do not train the same model on the same batch, and the losses after one
     update must be within SECOND_RTOL of DDP's, or the optimizers differ. Returns each variant's two
     losses; raises UnlikeRuns otherwise."""
-    losses = {}
+    losses, norms = {}, {}
     for v in variants:
         losses[v.kind] = []
         for _ in range(2):
             v.step(x, y)
             losses[v.kind].append(v.loss)
+            norms.setdefault(v.kind, _as_float(v.grad_norm))  # the first step's, before clipping
+    ref = norms["ddp"]
+    unlike = {k: n for k, n in norms.items() if not math.isclose(n, ref, rel_tol=SECOND_RTOL)}
+    if unlike:  # a gradient summed where the others average, or clipped differently, shows here
+        raise UnlikeRuns(f"first-step gradient norms differ from DDP's {ref:.6f} by more than {SECOND_RTOL:g} "
+                         f"(relative): {unlike}")
     for step, (when, rtol) in enumerate((("first-batch", LOSS_RTOL), ("after-one-update", SECOND_RTOL))):
         ref = losses["ddp"][step]
         unlike = {k: l[step] for k, l in losses.items() if not math.isclose(l[step], ref, rel_tol=rtol)}
@@ -193,6 +204,12 @@ def check_losses(variants: list[Variant], x, y) -> dict[str, list[float]]:
             raise UnlikeRuns(f"{when} losses differ from DDP's {ref:.6f} by more than {rtol:g} (relative): "
                              f"{unlike}")
     return losses
+
+
+def _as_float(norm) -> float:
+    """A gradient norm as a float: FSDP2's is a DTensor, DeepSpeed's a tensor or a float."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def any_rank(flag: bool) -> bool:
@@ -295,7 +312,9 @@ def loss_note(results_by_world: dict[int, list[dict]]) -> str:
     worst = max(abs(l[1] / r["losses"]["ddp"][1] - 1) for res in results_by_world.values() for r in res
                 for l in r["losses"].values())
     return (f"Checked in every run before timing: each variant's first-batch loss equals DDP's (relative "
-            f"{LOSS_RTOL:g}) and its loss after one update is within {SECOND_RTOL:g} of DDP's; measured, the "
+            f"{LOSS_RTOL:g}), its gradient norm before the first clipping is within {SECOND_RTOL:g} of DDP's (the "
+            f"same mean gradient: tessera's ZeRO takes the mean from the loss, 1/N, and reduces by sum) and its "
+            f"loss after one update is within {SECOND_RTOL:g} of DDP's; measured, the "
             f"largest difference after one update was {worst:.1e} (relative).")
 
 

@@ -82,8 +82,8 @@ def test_doc_block_states_provenance_target_and_every_column(tmp_path, monkeypat
 
 
 class _Fake:
-    def __init__(self, kind, losses):
-        self.kind, self._losses, self.loss = kind, iter(losses), None
+    def __init__(self, kind, losses, grad_norm=1.5):
+        self.kind, self._losses, self.loss, self.grad_norm = kind, iter(losses), None, grad_norm
 
     def step(self, x, y):
         self.loss = next(self._losses)
@@ -101,6 +101,9 @@ def test_unlike_losses_stop_the_run():
     # same first loss, but the update moved it differently: a different optimizer, refused too
     with pytest.raises(zero.UnlikeRuns, match="after-one-update.*zero1"):
         zero.check_losses([_Fake("ddp", [5.0, 4.0]), _Fake("zero1", [5.0, 4.0 * (1 + 5e-4)])], None, None)
+    # same losses, but a gradient twice DDP's (summed, not averaged): AdamW's first step hides it, the norm not
+    with pytest.raises(zero.UnlikeRuns, match="gradient norms.*zero1"):
+        zero.check_losses([_Fake("ddp", [5.0, 4.0]), _Fake("zero1", [5.0, 4.0], grad_norm=3.0)], None, None)
 
 
 def ds_matches_tessera(rank, world_size):
