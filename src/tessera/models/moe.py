@@ -315,11 +315,16 @@ class MoELayers(list):
         self.indices = [layer_index(n, i) for i, (n, _) in enumerate(named)]
 
 
+def _found(model: nn.Module | MoELayers) -> MoELayers:
+    """``model``'s MoE layers: as given when already found, else found now."""
+    return model if isinstance(model, MoELayers) else MoELayers(model)
+
+
 def key_tokens(model: nn.Module | MoELayers, seed: int | None, first_row: int = 0) -> None:
     """Name the next micro-batch's tokens for every MoE layer's training noise: its rows are the run's
     samples ``first_row``, ``first_row + 1``, … (``seed`` None: forget the key, use torch's random state).
     ``Transformer.forward`` adds the positions (:func:`key_positions`)."""
-    found = model if isinstance(model, MoELayers) else MoELayers(model)
+    found = _found(model)
     for index, layer in zip(found.indices, found):
         layer.token_key = None if seed is None else TokenKey(seed, index, first_row)
 
@@ -327,7 +332,7 @@ def key_tokens(model: nn.Module | MoELayers, seed: int | None, first_row: int = 
 def mark_padding(model: nn.Module | MoELayers, counted_BS: torch.Tensor | None) -> None:
     """Tell every MoE layer which targets [B, S] of the next micro-batches count (None: all do), so its
     router leaves the padding (``moe_tokens.real_tokens``) out."""
-    for layer in model if isinstance(model, MoELayers) else moe_layers(model):
+    for layer in _found(model):
         layer.counted_BS = counted_BS
 
 
@@ -346,7 +351,7 @@ def moe_loss_sum(model: nn.Module | MoELayers) -> torch.Tensor | float:
     eval mode, or when already collected.
     """
     total: torch.Tensor | float = 0.0
-    for layer in model if isinstance(model, MoELayers) else moe_layers(model):
+    for layer in _found(model):
         if layer.pending_loss is not None:
             total = total + layer.pending_loss
             layer.pending_loss = None
