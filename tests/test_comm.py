@@ -74,6 +74,31 @@ def test_collectives_compute_and_record(rank_pool, world):
         assert ledger[("dp", "gather")] == (1, 4 * world, root_wire)
 
 
+def scratch_reduce_scatter_worker(rank, world_size):
+    """A reduce-scatter whose input is scratch (gloo: an in-place all-reduce, then the slice copied out)
+    against gloo's own, on the same random [N·n, 3] inputs, synchronous and asynchronous."""
+    g = world_group(rank, world_size)
+    torch.manual_seed(rank)
+    x = torch.randn(world_size * 5, 3)
+    plain, sync, pending = torch.empty(5, 3), torch.empty(5, 3), torch.empty(5, 3)
+    comm.reduce_scatter(plain, x.clone(), g)
+    comm.reduce_scatter(sync, x.clone(), g, scratch_input=True)
+    handle = comm.reduce_scatter(pending, x.clone(), g, async_op=True, scratch_input=True)
+    handle.wait()
+    stat = g.ledger.stats()[("dp", "reduce_scatter")]
+    return {"backend": g.backend, "plain": plain, "sync": sync, "async": pending,
+            "ledger": (stat.count, stat.bytes, stat.wire_bytes)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_of_a_scratch_input_gives_the_same_bits(rank_pool, world):
+    for out in rank_pool.run(scratch_reduce_scatter_worker, world):
+        assert out["backend"] == "gloo"
+        assert torch.equal(out["sync"], out["plain"]) and torch.equal(out["async"], out["plain"])
+        n_bytes = world * 5 * 3 * 4  # the ledger counts three reduce-scatters of the full input alike
+        assert out["ledger"] == (3, 3 * n_bytes, pytest.approx(3 * (world - 1) / world * n_bytes))
+
+
 def all_to_all_worker(rank, world_size):
     g = world_group(rank, world_size, axis="ep")
     # rank r sends (j + 1) rows of value 100·r + j to rank j: uneven splits both ways
@@ -247,3 +272,35 @@ def test_batched_exchange_with_a_stray_tensor_fails_before_posting(rank_pool):
     for rank, (message, reduced, seq) in enumerate(rank_pool.run(device_check_worker, 2)):
         assert message.startswith(f"rank {rank}: recv on axis 'pp' (ranks [0, 1]) was handed a tensor on meta")
         assert reduced == [3.0, 3.0] and seq == 1  # only the all-reduce was issued
+
+
+def broadcast_gather_worker(rank, world_size):
+    """All-gathers at and above the size gloo's broadcasts take over, against the same data gathered
+    below it (gloo's own call), synchronous and asynchronous, from a separate input and in place."""
+    from tessera.comm.gloo import BROADCAST_GATHER_BYTES, gathers_by_broadcast
+
+    g = world_group(rank, world_size)
+    n = BROADCAST_GATHER_BYTES // 4 // world_size + 3  # rows of one float: the output passes the threshold
+    mine = torch.arange(n, dtype=torch.float32) + 1000.0 * rank
+    big, pending, in_place = torch.empty(world_size * n), torch.empty(world_size * n), torch.zeros(world_size * n)
+    comm.all_gather(big, mine, g)
+    comm.all_gather(pending, mine, g, async_op=True).wait()
+    in_place[rank * n:(rank + 1) * n] = mine
+    comm.all_gather(in_place, in_place[rank * n:(rank + 1) * n], g)
+    small = torch.empty(world_size * 4)
+    comm.all_gather(small, mine[:4].clone(), g)
+    stat = g.ledger.stats()[("dp", "all_gather")]
+    return {"n": n, "big": big, "async": pending, "in_place": in_place, "small": small,
+            "ledger": (stat.count, stat.bytes), "paths": (gathers_by_broadcast(g, big), gathers_by_broadcast(g, small))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_all_gathers_run_as_broadcasts_with_the_same_result(rank_pool, world):
+    for out in rank_pool.run(broadcast_gather_worker, world):
+        n = out["n"]
+        want = torch.cat([torch.arange(n, dtype=torch.float32) + 1000.0 * r for r in range(world)])
+        assert torch.equal(out["big"], want) and torch.equal(out["async"], want)
+        assert torch.equal(out["in_place"], want)
+        assert torch.equal(out["small"], torch.cat([want[r * n:r * n + 4] for r in range(world)]))
+        assert out["ledger"] == (4, 3 * 4 * world * n + 4 * 4 * world)
+        assert out["paths"] == (True, False)  # the large ones ran as broadcasts, the small one as gloo's call

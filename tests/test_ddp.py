@@ -128,6 +128,21 @@ def test_buckets_fill_in_reverse_order_within_cap():
     assert [b.allocate().dtype for b in mixed] == [torch.float32, torch.float64]
 
 
+def test_ddp_buckets_fill_to_the_cap_as_torch_lays_them():
+    """``fill_to_cap`` (DDP): a bucket closes once it holds the cap, so its last parameter may pass it; the
+    same parameters make fewer buckets than under the ceiling rule, and torch's DDP makes the same ones."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 400, 10)]
+    filled = build_buckets(list(reversed(params)), cap_bytes=1600, fill_to_cap=True)  # 400 floats
+    assert [[p.numel() for p in b.params] for b in filled] == [[10, 400], [50, 300, 100]]
+    assert [b.size for b in filled] == [410, 450]
+    from torch.distributed import _compute_bucket_assignment_by_size as torch_rule
+
+    order = list(reversed(params))
+    torch_buckets = torch_rule([p.detach() for p in order], [1600])[0]
+    position = {id(p): i for i, p in enumerate(order)}
+    assert [[position[id(p)] for p in b.params] for b in filled] == torch_buckets
+
+
 def test_buckets_split_by_param_group_and_pad_for_sharding():
     """The same builder serves ZeRO: a new bucket when the optimizer group changes, each padded to a
     multiple of the shard count (at least one element per rank)."""

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tessera.comm import gloo
 from tessera.comm.group import CommGroup
 from tessera.comm.ledger import wire_bytes
 from tessera.errors import CommError, CommTimeoutError, PeerGoneError
@@ -180,19 +181,32 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, asyn
         output.copy_(input.view_as(output))
         return DONE
     size = nbytes(output)
-    return _issue(group, "all_gather", size, wire_bytes("all_gather", size, group.size),
+    wire = wire_bytes("all_gather", size, group.size)
+    if gloo.gathers_by_broadcast(group, output):  # see tessera.comm.gloo
+        return _issue(group, "all_gather", size, wire,
+                      lambda a: gloo.all_gather_by_broadcasts(output, input, group, a), async_op)
+    return _issue(group, "all_gather", size, wire,
                   lambda a: _all_gather_flat(output, input, group=group.pg, async_op=a), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, op: str = "sum",
-                   async_op: bool = False) -> Handle:
-    """``output`` ([n, ...]) = this rank's 1/N slice (dim 0) of the reduction of every ``input`` ([N·n, ...])."""
+                   async_op: bool = False, scratch_input: bool = False) -> Handle:
+    """``output`` ([n, ...]) = this rank's 1/N slice (dim 0) of the reduction of every ``input`` ([N·n, ...]).
+
+    ``scratch_input``: the caller will not read ``input`` again, so the reduction may be done in it (on
+    gloo: an all-reduce in ``input``, then the slice copied out; ``tessera.comm.gloo``). Other backends
+    ignore it. The ledger records a reduce-scatter either way."""
     group.check_device("reduce_scatter", output, input)
     if group.size == 1:
         output.copy_(input.view_as(output))
         return DONE
     size = nbytes(input)
-    return _issue(group, "reduce_scatter", size, wire_bytes("reduce_scatter", size, group.size),
+    wire = wire_bytes("reduce_scatter", size, group.size)
+    if scratch_input and group.backend == "gloo":
+        return _issue(group, "reduce_scatter", size, wire,
+                      lambda a: dist.all_reduce(input, op=reduce_op(op), group=group.pg, async_op=a), async_op,
+                      then=gloo.copy_slice_out(output, input, group))
+    return _issue(group, "reduce_scatter", size, wire,
                   lambda a: _reduce_scatter_flat(output, input, op=reduce_op(op), group=group.pg,
                                                        async_op=a), async_op)
 

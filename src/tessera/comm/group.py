@@ -11,9 +11,11 @@ run with one sentence instead of deep inside NCCL on a GPU job.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from tessera.comm.ledger import CommLedger
 from tessera.errors import CommError
@@ -69,6 +71,19 @@ class CommGroup:
                     f"a tensor on {t.device} but the group's device is {self.device}; every tensor of a "
                     f"collective must live on its group's device",
                     rank=self.global_rank, op=op, axis=self.axis, ranks=self.ranks, cause="device")
+
+    @functools.cached_property
+    def backend(self) -> str | None:
+        """The name of the backend that carries this group's tensors ("gloo", "nccl", ...; None without a
+        process group). A process group with one backend per device type ("cpu:gloo,cuda:nccl") answers for
+        the group's device."""
+        if self.pg is None:
+            return None
+        name = str(dist.get_backend(self.pg))
+        if ":" not in name:
+            return name
+        per_device = dict(part.split(":", 1) for part in name.split(","))
+        return per_device.get(self.device.type)
 
     def next_seq(self) -> int:
         self.seq += 1

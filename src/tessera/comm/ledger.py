@@ -9,6 +9,9 @@ point-to-point), i.e. what NCCL-tests calls bus bytes. With N ranks and a payloa
     broadcast, reduce       S           all_to_all     bytes sent to the other ranks
     gather / scatter  root (N-1)·s, others s (s = one rank's piece)   send / recv     S
 
+These are the bytes of the collective asked for under that algorithm, not of whatever a backend runs:
+gloo's reduce-scatter on CPU, for one, is an all-reduce and moves 2(N-1)/N · S.
+
 ``seconds`` is the time the caller was blocked: the whole call when synchronous, the launch plus the
 ``wait()`` when asynchronous (communication overlapped with compute is, rightly, not counted).
 """

@@ -50,7 +50,8 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         params = [p for p in (module.parameters() if parameters is None else parameters) if p.requires_grad]
         # a group of one reduces nothing: no buckets, so no flat buffer beside the gradients, no hooks
-        buckets = build_buckets(list(reversed(params)), int(bucket_mb * 2**20)) if group.size > 1 else []
+        buckets = (build_buckets(list(reversed(params)), int(bucket_mb * 2**20), fill_to_cap=True)
+                   if group.size > 1 else [])
         for bucket in buckets:
             bucket.allocate()  # persistent: after the first step every gradient is a view into one
         self.reducer = GradReducer(buckets, reduction, hooks=bool(buckets),

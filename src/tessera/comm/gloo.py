@@ -1,0 +1,70 @@
+"""How tessera runs reduce-scatter and all-gather on gloo: the same results as gloo's own calls, faster.
+
+gloo has no reduce-scatter and no in-place all-gather of its own on CPU (torch 2.13, ProcessGroupGloo):
+``reduce_scatter_tensor`` all-reduces a clone of the whole input [N·n] and copies out the slice;
+``all_gather_into_tensor`` gathers into a fresh flat buffer [N·n] and then copies it into the output's
+chunks. Both copies are on top of the transfer, and on a CPU the copies compete with it for the cores.
+Measured on the 2-core machine of docs/BENCHMARKS.md, 3.03M fp32 elements (the small preset's gradients):
+
+    reduce-scatter   gloo's 26.6 ms (2 ranks), 43.9 ms (4)    all-reduce in place + slice copy 14.0, 26.0
+    all-gather       gloo's 10.5–14.6 ms (2), 28–30 ms (4), 55–71 ms (8)    N broadcasts 6.8, 13.8, 33
+
+So: a reduce-scatter whose input the caller lets go (``scratch_input``) is an all-reduce in that input
+and a copy of this rank's slice [n] (the very algorithm gloo runs, without its full copy: the same bits);
+an all-gather of at least :data:`BROADCAST_GATHER_BYTES` is N broadcasts, rank i's chunk [n] from rank i
+straight into its place in the output (below that, N calls cost more than one and gloo's call is kept).
+The ledger records the collective asked for (``tessera.comm.ledger``), whichever way it ran.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm.group import CommGroup
+
+# smallest output an all-gather is run as N broadcasts for (measured: from ~1.6 MB on they are faster at
+# 2, 4 and 8 ranks; for tiny tensors the N calls' fixed cost is not worth it)
+BROADCAST_GATHER_BYTES = 1 << 20
+
+
+class Works:
+    """Several backend works in flight, finished as one (what ``Handle`` waits for)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def gathers_by_broadcast(group: CommGroup, output: torch.Tensor) -> bool:
+    """Whether :func:`all_gather_by_broadcasts` runs this all-gather."""
+    return (group.backend == "gloo" and output.is_contiguous()
+            and output.numel() * output.element_size() >= BROADCAST_GATHER_BYTES)
+
+
+def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: CommGroup, async_op: bool):
+    """``output`` [N·n, ...] = every rank's ``input`` [n, ...] in rank order: this rank's chunk copied in
+    (nothing to copy when ``input`` is that chunk already), then chunk i broadcast from rank i, in place."""
+    n = input.shape[0]
+    mine = output.narrow(0, group.rank * n, n)
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.view_as(mine))
+    works = Works([dist.broadcast(output.narrow(0, i * n, n), src=group.ranks[i], group=group.pg, async_op=True)
+                   for i in range(group.size)])
+    if not async_op:
+        works.wait()
+    return works
+
+
+def copy_slice_out(output: torch.Tensor, input: torch.Tensor, group: CommGroup):
+    """What finishes a reduce-scatter run as an all-reduce in ``input`` [N·n, ...]: this rank's slice
+    copied into ``output`` [n, ...]."""
+    mine = input.narrow(0, group.rank * output.shape[0], output.shape[0])
+    return lambda: output.copy_(mine.view_as(output))
