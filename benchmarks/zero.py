@@ -358,6 +358,16 @@ def write_doc(rows: list[str], args, params: int, note: str) -> None:
         "copies the reduced gradients of its partition into a partition-sized buffer and keeps the rest only "
         "in its reused reduce bucket.",
         "",
+        "On gloo (these CPU runs) the collectives differ by implementation, not by what they compute: gloo "
+        "has no reduce-scatter of its own (torch's `reduce_scatter_tensor` all-reduces a clone of the input "
+        "and copies out the slice) and its all-gather collects into a buffer of its own before copying into "
+        "the output. tessera runs a reduce-scatter of a gradient it drops afterwards as an all-reduce in "
+        "that gradient plus a copy of the slice, and an all-gather of 1 MiB or more as one broadcast per "
+        "rank straight into the output (`tessera.comm.gloo`; the same bits). DeepSpeed stages 1–2 "
+        "all-reduce their reduce bucket (its default `use_multi_rank_bucket_allreduce`) and all-gather the "
+        "updated partitions with torch's call; FSDP2 and DeepSpeed stage 3 use torch's reduce-scatter and "
+        "all-gather.",
+        "",
         "Target: tessera ÷ DeepSpeed ≤ 1.00 at the same ZeRO stage, and on the ZeRO-3 rows tessera ÷ FSDP2 "
         "≤ 1.00, each at equal or lower model-state bytes.",
         "",
