@@ -86,8 +86,11 @@ def scratch_reduce_scatter_worker(rank, world_size):
     handle = comm.reduce_scatter(pending, x.clone(), g, async_op=True, scratch_input=True)
     handle.wait()
     stat = g.ledger.stats()[("dp", "reduce_scatter")]
+    mean, scratch_mean = torch.empty(5, 3), torch.empty(5, 3)  # gloo's all-reduce has no AVG: gloo's own call
+    comm.reduce_scatter(mean, x.clone(), g, op="avg")
+    comm.reduce_scatter(scratch_mean, x.clone(), g, op="avg", scratch_input=True)
     return {"backend": g.backend, "plain": plain, "sync": sync, "async": pending,
-            "ledger": (stat.count, stat.bytes, stat.wire_bytes)}
+            "ledger": (stat.count, stat.bytes, stat.wire_bytes), "avg": (mean, scratch_mean)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -95,6 +98,8 @@ def test_reduce_scatter_of_a_scratch_input_gives_the_same_bits(rank_pool, world)
     for out in rank_pool.run(scratch_reduce_scatter_worker, world):
         assert out["backend"] == "gloo"
         assert torch.equal(out["sync"], out["plain"]) and torch.equal(out["async"], out["plain"])
+        assert torch.equal(out["avg"][1], out["avg"][0])
+        assert torch.allclose(out["avg"][0], out["plain"] / world)
         n_bytes = world * 5 * 3 * 4  # the ledger counts three reduce-scatters of the full input alike
         assert out["ledger"] == (3, 3 * n_bytes, pytest.approx(3 * (world - 1) / world * n_bytes))
 
