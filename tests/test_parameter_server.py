@@ -17,8 +17,9 @@ from tessera.parameter_server.reference import train_single_process
 from tessera.parameter_server.worker import build_model, click_log
 
 STEPS = 30
+# timeout: the RPC start-up of 4 spawned processes passed 20 s once on a loaded 2-core CI machine
 BASE = dict(servers=2, workers=2, batch_size=64, fields=4, buckets=100, embed_dim=8, hidden=16,
-            eval_size=2048, timeout=60.0)  # RPC start-up of 4 spawned processes passed 20 s once on a loaded 2-core CI machine
+            eval_size=2048, timeout=60.0)
 AUC_MARGIN = 0.02  # ASP / SSP must reach the BSP run's AUC within this
 pytestmark = pytest.mark.slow  # every test here starts server and worker processes
 

@@ -202,7 +202,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, 
         return DONE
     size = nbytes(input)
     wire = wire_bytes("reduce_scatter", size, group.size)
-    if scratch_input and op != "avg" and group.backend == "gloo":  # gloo's all-reduce has no AVG
+    if gloo.reduces_in_place(group, op, scratch_input):  # see tessera.comm.gloo
         return _issue(group, "reduce_scatter", size, wire,
                       lambda a: dist.all_reduce(input, op=reduce_op(op), group=group.pg, async_op=a), async_op,
                       then=gloo.copy_slice_out(output, input, group))

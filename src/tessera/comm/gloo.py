@@ -63,6 +63,12 @@ def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: C
     return works
 
 
+def reduces_in_place(group: CommGroup, op: str, scratch_input: bool) -> bool:
+    """Whether a reduce-scatter runs as an all-reduce in its input (gloo's all-reduce has no AVG: an
+    average keeps gloo's own call)."""
+    return scratch_input and op != "avg" and group.backend == "gloo"
+
+
 def copy_slice_out(output: torch.Tensor, input: torch.Tensor, group: CommGroup):
     """What finishes a reduce-scatter run as an all-reduce in ``input`` [N·n, ...]: this rank's slice
     copied into ``output`` [n, ...]."""
