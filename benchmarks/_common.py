@@ -20,7 +20,10 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def machine() -> str:
-    """CPU model, core count, torch version and backend, as every benchmark table states them."""
+    """CPU model, core count, the instruction set torch's CPU kernels use, torch version and backend, as every
+    benchmark table states them. The instruction set matters beside the model name: a host without AVX512
+    multiplies bf16 matrices through torch's reference kernel, tens of times slower than fp32 (the VMs
+    behind "AMD EPYC" are not all alike)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -29,7 +32,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return f"{cpu}, {os.cpu_count()} cores ({capability}), torch {torch.__version__}, gloo"
 
 
 def command_line() -> str:

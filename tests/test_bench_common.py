@@ -37,6 +37,7 @@ def test_provenance_states_command_commit_machine_and_load(monkeypatch):
     text = _common.provenance()
     assert text.startswith("Command: `python benchmarks/moe.py --rounds 7`; commit abc1234; ")
     assert f"torch {torch.__version__}" in text
+    assert f"cores ({torch.backends.cpu.get_cpu_capability()}), torch" in text  # AVX2 or AVX512: bf16 speed
     assert "1-minute load average 3.0 at the start and " in text
     assert text.endswith("cores.")
 
