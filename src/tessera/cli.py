@@ -125,6 +125,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(note, file=sys.stderr)
     user_keys = {o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")}
     parallel = resolve_job(cfg, world, announce=lead, deepspeed=deepspeed, user_keys=user_keys)
+    if lead:
+        from tessera.precision.cpu_speed import slow_half_precision_note
+
+        if note := slow_half_precision_note(cfg.run.device, cfg.precision.dtype):
+            print(note, file=sys.stderr)
     if args.dry_run:
         return _dry_run(cfg, parallel, world, lead)
     if cfg.run.check_memory:  # the planner's peak per rank against this machine's memory per local rank
