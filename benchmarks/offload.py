@@ -149,7 +149,9 @@ def main() -> None:
     # the offload files go on the disk of the working directory (not /tmp, which may be memory)
     out = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="offload-bench-", dir="."))
     try:
-        refused = without_offload(args, out) if args.offload == "disk" else None
+        # in a folder of its own: a job small enough to start (not refused) leaves a run folder there, whose
+        # metrics the measured run's step marks must not be read from
+        refused = without_offload(args, out / "without-offload") if args.offload == "disk" else None
         result = measure(train_flags(args), out)
         if refused is not None:
             result["refused"] = refused
