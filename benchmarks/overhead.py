@@ -11,10 +11,11 @@ decay groups (matrices decayed, the rest not) and ``LambdaLR`` of the same warm-
 A's initial weights (a copy of its state_dict), so both compute the same loss at step 1 and, after the
 same update, at step 2: the script checks both before timing.
 
-A and B alternate in the same process (A B A B, ``--rounds`` rounds, each ``--warmup`` untimed then
-``--steps`` timed steps) with a fixed number of torch threads. A round's step time is its mean (total ÷
-steps), so the steps that write a metrics line are counted; the ratio reported is the median over rounds
-of (A's mean step ÷ B's mean step), with its range, of wall-clock time and of CPU time.
+A and B alternate in the same process (A B, B A, A B, …: the order alternates every round; ``--rounds``
+rounds, each ``--warmup`` untimed then ``--steps`` timed steps) with a fixed number of torch threads. A
+round's step time is its mean (total ÷ steps), so the steps that write a metrics line are counted; the ratio
+reported is the median over rounds of (A's mean step ÷ B's mean step), with its range, of wall-clock time and
+of CPU time.
 
     python benchmarks/overhead.py                          # 7 rounds, writes docs/BENCHMARKS.md
     python benchmarks/overhead.py --rounds 1 --steps 1 --no-write
@@ -146,8 +147,9 @@ def measure(args) -> dict:
         a, b = build(args, out_dir)
         losses = check_same_losses(a, b)
         med = {"tessera": [], "plain": []}
-        for _ in range(args.rounds):
-            for name, loop in (("tessera", a), ("plain", b)):
+        for r in range(args.rounds):  # the order alternates every round: what runs second in a round
+            # (after the other model's steps) does not always get the same side
+            for name, loop in (("tessera", a), ("plain", b))[::1 if r % 2 == 0 else -1]:
                 for _ in range(args.warmup):
                     loop()
                 walls, cpus = zip(*(timed(loop) for _ in range(args.steps)))
@@ -170,7 +172,8 @@ def report(args, res: dict) -> list[str]:
         "clipping, schedule, a metrics line with its memory snapshot every "
         f"{res['log_every']} steps), plus the progress file, without validation, checkpoints or the progress "
         "bar; plain = a nanoGPT-style loop of the same model started from tessera's initial weights, on the "
-        f"same windows. Same process, interleaved A B A B: {args.rounds} rounds of {args.warmup} warm-up + "
+        "same windows. Same process, interleaved (A B, then B A: the order alternates every round): "
+        f"{args.rounds} rounds of {args.warmup} warm-up + "
         f"{args.steps} timed steps each; a round's step time is its mean (total ÷ steps, so the logged steps "
         "count); ratio = per-round (tessera mean ÷ plain mean), median (min–max), of wall-clock time (the "
         "target: ≤ 1.03) and of the process's CPU time (which leaves out waiting for a core on a shared "
