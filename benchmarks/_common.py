@@ -32,8 +32,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
-    return f"{cpu}, {os.cpu_count()} cores ({capability}), torch {torch.__version__}, gloo"
+    from tessera.precision.cpu_speed import cpu_capability
+
+    return f"{cpu}, {os.cpu_count()} cores ({cpu_capability()}), torch {torch.__version__}, gloo"
 
 
 def command_line() -> str:

@@ -11,38 +11,25 @@ the job's dtype (about a tenth of a second, on one thread) and warns when the la
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tessera.device import computes_on_cpu
+from tessera.planner.calibrate import matmul_flops
 
 SLOW_RATIO = 3.0  # a half-precision product this many times slower than fp32's is worth a warning
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _best_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
-    a @ b  # the first call may set kernels up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return best
+def half_matmul_slowdown(dtype: torch.dtype, n: int = 256, seconds: float = 0.05) -> float:
+    """Seconds of an n×n @ n×n product in ``dtype`` over fp32's on this CPU, each timed for ``seconds`` on one
+    thread by the planner's calibration (the kernels' own speed, without the thread start-up and sharing that
+    blur products this small)."""
+    return matmul_flops(n, seconds, threads=1) / matmul_flops(n, seconds, threads=1, dtype=dtype)
 
 
-def half_matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
-    """Seconds of an n×n @ n×n product in ``dtype`` over fp32's on this CPU (the best of 3 of each), on one
-    thread: the kernels' own speed, without the thread start-up and sharing that blur products this small."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fp32 = _best_seconds(a, b)
-        return _best_seconds(a.to(dtype), b.to(dtype)) / max(fp32, 1e-9)
-    finally:
-        torch.set_num_threads(threads)
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here ("AVX2", "AVX512", ...), or "unknown"."""
+    return getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
 
 
 def slow_half_precision_note(device: str, dtype: str) -> str | None:
@@ -53,7 +40,7 @@ def slow_half_precision_note(device: str, dtype: str) -> str | None:
     slowdown = half_matmul_slowdown(_DTYPES[dtype])
     if slowdown < SLOW_RATIO:
         return None
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    capability = cpu_capability()
     return (f"tessera: warning: a {dtype} matrix product takes {slowdown:.0f}× as long as an fp32 one on this CPU "
             f"({capability}: torch's reference kernel, without {dtype} instructions), so this job may train "
             "several times slower than with --precision.dtype=fp32")
