@@ -135,17 +135,28 @@ def token_batch(seed: int, batch: int, seq: int, vocab: int = 256):
     return data[:, :-1], data[:, 1:]
 
 
+def round_order(names, i: int) -> list:
+    """The variants' order in round ``i``: rotated by one each round (A B, B A, A B … for two). Whichever
+    variant runs first meets a machine the previous one's threads and caches left in another state; a
+    fixed order gave one variant that handicap every round (measured: it moved a single-process ratio by
+    10%)."""
+    names = list(names)
+    return names[i % len(names):] + names[:i % len(names)]
+
+
 def interleaved_times(steppers: dict, rounds: int, warmup: int, steps: int,
                       around: Callable[[object], ContextManager] | None = None) -> dict:
-    """Time variants interleaved (A B … A B …) so that a shared machine's noise hits them alike: every round,
-    each variant in turn runs ``warmup`` untimed steps, a barrier over the default group, then ``steps``
-    timed ones. ``steppers[k]()`` runs one step and returns its seconds; ``around(k)``, if given, is entered
-    around each variant's timed steps. Returns ``{k: [[seconds of each timed step] per round]}``."""
+    """Time variants interleaved (A B, B A, A B …) so that a shared machine's noise hits them alike: every
+    round, each variant in turn runs ``warmup`` untimed steps, a barrier over the default group, then
+    ``steps`` timed ones, in :func:`round_order`. ``steppers[k]()`` runs one step and returns its seconds;
+    ``around(k)``, if given, is entered around each variant's timed steps. Returns
+    ``{k: [[seconds of each timed step] per round]}``."""
     import torch.distributed as dist
 
     times = {k: [] for k in steppers}
-    for _ in range(rounds):
-        for k, step in steppers.items():  # every variant once per round, always in the same order
+    for i in range(rounds):
+        for k in round_order(steppers, i):
+            step = steppers[k]
             for _ in range(warmup):
                 step()
             dist.barrier()

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, one_process_args, one_process_parser, provenance, replace_section, spread  # noqa: E402
+from _common import (DOCS, one_process_args, one_process_parser, provenance, replace_section, round_order,  # noqa: E402
+                     spread)
 
 from tessera.device import synchronize  # noqa: E402
 from tessera.models import Transformer  # noqa: E402
@@ -147,9 +148,10 @@ def measure(args) -> dict:
         a, b = build(args, out_dir)
         losses = check_same_losses(a, b)
         med = {"tessera": [], "plain": []}
-        for r in range(args.rounds):  # the order alternates every round: what runs second in a round
-            # (after the other model's steps) does not always get the same side
-            for name, loop in (("tessera", a), ("plain", b))[::1 if r % 2 == 0 else -1]:
+        loops = {"tessera": a, "plain": b}
+        for r in range(args.rounds):
+            for name in round_order(loops, r):
+                loop = loops[name]
                 for _ in range(args.warmup):
                     loop()
                 walls, cpus = zip(*(timed(loop) for _ in range(args.steps)))

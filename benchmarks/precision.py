@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, MIN_ROUNDS, provenance, replace_section, spread  # noqa: E402
+from _common import DOCS, MIN_ROUNDS, provenance, replace_section, round_order, spread  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -57,7 +57,7 @@ def main() -> None:
     times: dict[str, list[float]] = {p: [] for p in PRECISIONS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for p in PRECISIONS if r % 2 == 0 else reversed(PRECISIONS):
+            for p in round_order(PRECISIONS, r):
                 times[p].append(step_seconds(Path(tmp), f"{p}-{r}", p, args.steps))
                 print(f"round {r} {p}: {times[p][-1] * 1e3:.0f} ms/step", flush=True)
     ratios = [b / f for b, f in zip(times["bf16"], times["fp32"])]

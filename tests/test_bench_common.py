@@ -25,6 +25,12 @@ def test_spread_is_median_with_range():
     assert _common.spread([0.5], digits=2) == "0.50 (0.50–0.50)"
 
 
+def test_round_order_rotates_so_no_variant_always_runs_first():
+    assert [_common.round_order(["a", "b"], i) for i in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    orders = [_common.round_order({"x": 1, "y": 2, "z": 3}, i) for i in range(3)]
+    assert [o[0] for o in orders] == ["x", "y", "z"] and all(sorted(o) == ["x", "y", "z"] for o in orders)
+
+
 def test_command_line_names_the_script_and_its_arguments(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/somewhere/else/ddp.py", "--ranks", "2", "4", "--note", "a b"])
     assert _common.command_line() == "python benchmarks/ddp.py --ranks 2 4 --note 'a b'"

@@ -140,3 +140,24 @@ def test_recomputation_saves_memory_but_reruns_the_forward_kernels():
     extra_flops = full.time_s["compute"] - none.time_s["compute"] - 1e-9 * acts / 3
     assert extra_flops == pytest.approx((2 * (SMALL.matmul_params_per_token() - SMALL.vocab * SMALL.hidden)
                                          + 4 * SMALL.layers * SMALL.hidden * 128) * 512 / 4e10)
+
+
+def test_mixed_precision_matmuls_run_at_the_calibrated_bf16_rate():
+    # an AVX2 CPU runs bf16 products through torch's reference kernel, ~50x slower than fp32: a planner
+    # that charged mixed precision at the fp32 rate would pick it (half the activation bytes) as faster
+    cal = {"peak_flops": 4e10, "step_flops_alone": 2.5e10, "step_flops": 2.5e10, "alpha_s": 1e-4,
+           "bytes_per_s": 1e9, "hbm_bytes_per_s": 1e10, "elementwise_s_per_byte": 1e-9}
+    layout = Layout(micro_batch=4)
+    fp32_rate = estimate(SMALL, layout, local_gpu(1, cal), 4, 128, "mixed").time_s["compute"]
+    slow = estimate(SMALL, layout, local_gpu(1, {**cal, "half_flops": 4e10 / 50}), 4, 128, "mixed")
+    matmul_s = model_flops(SMALL, 512, 128) / 4e10
+    assert slow.time_s["compute"] - fp32_rate == pytest.approx(49 * matmul_s)
+    fp32 = estimate(SMALL, layout, local_gpu(1, {**cal, "half_flops": 4e10 / 50}), 4, 128, "fp32")
+    assert fp32.step_time_s < slow.step_time_s / 10  # fp32 layouts are charged at peak_flops, as before
+
+
+def test_calibration_measures_a_bf16_rate_of_the_same_products():
+    from tessera.planner.calibrate import half_matmul_flops
+
+    rate = half_matmul_flops(1e10, tokens=16, seconds=0.01)
+    assert rate > 0 and rate != 1e10  # a measured ratio of two timings, not the fp32 rate handed in

@@ -39,15 +39,17 @@ def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=to
         torch.set_num_threads(before)
 
 
-def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1) -> float:
+def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1, dtype=torch.float32) -> float:
     """FLOP/s of the reference layer's matmuls as training runs them (forward y = x·Wᵀ, backward
     dx = dy·W and dW = dyᵀ·x), one thread: the matmul rate the time model's FLOPs are charged at. Timed
     in the thread's CPU time (as the training step is), so that other processes on a shared machine do
-    not slow the calibration: these are the rates of a rank that has its core."""
+    not slow the calibration: these are the rates of a rank that has its core. At least one pass runs,
+    however long it takes."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        mats = [(torch.randn(tokens, k), torch.randn(n, k), torch.randn(tokens, n)) for k, n in LAYER_MATMULS]
+        mats = [tuple(torch.randn(*shape, dtype=dtype) for shape in ((tokens, k), (n, k), (tokens, n)))
+                for k, n in LAYER_MATMULS]
         flops = sum(6 * tokens * k * n for k, n in LAYER_MATMULS)
         best, start = float("inf"), time.perf_counter()
         while time.perf_counter() - start < seconds or best == float("inf"):
@@ -199,6 +201,16 @@ def _one_thread_model(preset: str):
         torch.set_num_threads(before)
 
 
+def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> float:
+    """The reference layer's matmul rate in bf16 (what ``precision.dtype = "bf16"`` runs its products in),
+    as ``peak`` (the fp32 rate of :func:`layer_matmul_flops`) times the bf16 ÷ fp32 rate of the same
+    products on ``tokens`` rows. CPUs without bf16 instructions (AVX2) run bf16 products through torch's
+    reference kernel, tens of times slower than fp32; those with AVX512-BF16 or AMX run them faster. A
+    quarter of the fp32 tokens keeps one bf16 pass under a second on the slow kind."""
+    bf16 = layer_matmul_flops(tokens, seconds, dtype=torch.bfloat16)
+    return peak * bf16 / layer_matmul_flops(tokens, seconds)
+
+
 def layer_call_seconds(splits: int = 4, rounds: int = 5) -> float:
     """Fixed CPU seconds of one layer's forward and backward on one micro-batch: the reference step run
     as ``splits`` micro-batches (gradient accumulation) against one, the difference spread over the
@@ -249,6 +261,7 @@ def calibrate(world: int = 2) -> dict:
     """This machine's numbers in the form ``planner.local.local_gpu`` takes: ``peak_flops`` (the
     reference layer's matmuls), ``step_flops_alone`` (a reference training step in one process) and
     ``step_flops`` (the same on all ``world`` ranks at once: how much ranks sharing cores slow each other),
+    ``half_flops`` (the same matmuls in bf16, for mixed-precision layouts),
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
     the reference layer's causal attention, forward and backward), ``collective_sync_s``
@@ -259,13 +272,14 @@ def calibrate(world: int = 2) -> dict:
 
     start = time.perf_counter()
     peak = layer_matmul_flops()
+    half = half_matmul_flops(peak)
     attn = attention_rate()
     alone = training_step_flops(*REFERENCE)
     calls = layer_call_seconds()
     alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
     sync = max(0.0, interleaved - all_reduce_s(SYNC_BYTES, world, Link(alpha, beta)))
     hbm = DEFAULT_LOCAL["hbm_bytes_per_s"]
-    return {"peak_flops": peak, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
+    return {"peak_flops": peak, "half_flops": half, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
             "elementwise_s_per_byte": elementwise_seconds_per_byte(alone, peak, hbm, calls, attn),

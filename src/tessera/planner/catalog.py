@@ -53,6 +53,9 @@ class GpuSpec:
     # On CPU they run at about 60% of the layer matmuls' rate, and their share of a step grows with the
     # sequence, so a model calibrated on one sequence length must charge them apart
     attention_flops: float = 0.0
+    # FLOP/s of bf16 matmuls where they differ from peak_flops (a calibrated CPU, whose peak_flops is its
+    # fp32 rate: without bf16 instructions bf16 runs tens of times slower); 0: mixed precision at peak_flops
+    half_flops: float = 0.0
     # GPU kernel model (tessera.planner.gpu_kernels; 0 = off: everything at peak × compute_efficiency, as a
     # calibrated CPU is timed): the share of HBM bandwidth non-matmul kernels reach
     hbm_efficiency: float = 0.0

@@ -205,6 +205,8 @@ def _calibrated_compute_s(spec, layout, gpu, global_batch: int, seq: int, precis
     calls = rerun * gpu.layer_call_s * layout.microbatches(global_batch) * (spec.layers / layout.pp + 1)
     attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
     matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
+    if precision == "mixed" and gpu.half_flops:  # every product in bf16: both rates scale alike
+        matmul_s *= gpu.peak_flops / gpu.half_flops
     return (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
 
 
