@@ -92,7 +92,8 @@ def calibration_line(c: dict) -> str:
             f"{c['step_flops_alone'] / 1e9:.1f} GFLOP/s alone and {c['step_flops'] / 1e9:.1f} "
             f"with both ranks busy, non-matmul kernels {c.get('elementwise_s_per_byte', 0) * 1e9:.2f} "
             f"ns per activation byte and {c.get('layer_call_s', 0) * 1e3:.2f} ms per layer and "
-            f"micro-batch, causal attention {c.get('attention_rate', 0) / 1e9:.1f} GFLOP/s, "
+            f"micro-batch, causal attention {c.get('attention_rate', 0) / 1e9:.1f} GFLOP/s, optimizer "
+            f"update {c['hbm_bytes_per_s'] / 1e9:.2f} GB/s (2 × model-state bytes per second), "
             f"all-reduce α = {c['alpha_s'] * 1e6:.0f} µs, "
             f"β = {c['bytes_per_s'] / 1e9:.2f} GB/s, start-up of a collective between compute "
             f"segments {c.get('collective_sync_s', 0) * 1e3:.2f} ms")

@@ -161,3 +161,12 @@ def test_calibration_measures_a_bf16_rate_of_the_same_products():
 
     rate = half_matmul_flops(1e10, tokens=16, seconds=0.01)
     assert rate > 0 and rate != 1e10  # a measured ratio of two timings, not the fp32 rate handed in
+
+
+def test_calibration_times_the_optimizer_update_instead_of_assuming_a_bandwidth():
+    from tessera.planner.calibrate import update_bytes_per_s
+    from tessera.planner.local import DEFAULT_LOCAL
+
+    rate = update_bytes_per_s()
+    # a measured AdamW step over 32 bytes per parameter: positive, finite, and not the default it replaces
+    assert 1e7 < rate < 1e13 and rate != DEFAULT_LOCAL["hbm_bytes_per_s"]

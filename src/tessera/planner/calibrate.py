@@ -211,6 +211,29 @@ def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> f
     return peak * bf16 / layer_matmul_flops(tokens, seconds)
 
 
+def update_bytes_per_s(preset: str = "small", steps: int = 3) -> float:
+    """The optimizer update's rate in the time model's unit: 2 × the fp32 AdamW model-state bytes (every
+    state read and written once) over the CPU seconds of one torch AdamW step on the reference model, one
+    thread. Measured, not assumed: left at a fixed 10 GB/s, an update that really ran 2–3× slower was
+    folded into the non-matmul rate at the calibration's shape and charged by activation bytes
+    elsewhere, so shapes with more parameters per activation byte came out too fast, and fewer too slow."""
+    from tessera.planner.catalog import from_model_config
+    from tessera.planner.memory import model_state_bytes
+
+    with _one_thread_model(preset) as (cfg, model):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.step()  # creates the moments
+        best = float("inf")
+        for _ in range(steps):
+            t0 = time.thread_time()
+            opt.step()
+            best = min(best, time.thread_time() - t0)
+    params = from_model_config(preset, cfg).num_params()
+    return 2 * model_state_bytes(params, zero_stage=0, dp=1, precision="fp32")["total"] / best
+
+
 def layer_call_seconds(splits: int = 4, rounds: int = 5) -> float:
     """Fixed CPU seconds of one layer's forward and backward on one micro-batch: the reference step run
     as ``splits`` micro-batches (gradient accumulation) against one, the difference spread over the
@@ -264,11 +287,11 @@ def calibrate(world: int = 2) -> dict:
     ``half_flops`` (the same matmuls in bf16, for mixed-precision layouts),
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
-    the reference layer's causal attention, forward and backward), ``collective_sync_s``
+    the reference layer's causal attention, forward and backward), ``hbm_bytes_per_s`` (the optimizer
+    update's bytes per second, :func:`update_bytes_per_s`), ``collective_sync_s``
     (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
     layer's fixed cost per micro-batch)."""
     from tessera.planner.comm_model import Link, all_reduce_s
-    from tessera.planner.local import DEFAULT_LOCAL
 
     start = time.perf_counter()
     peak = layer_matmul_flops()
@@ -278,7 +301,7 @@ def calibrate(world: int = 2) -> dict:
     calls = layer_call_seconds()
     alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
     sync = max(0.0, interleaved - all_reduce_s(SYNC_BYTES, world, Link(alpha, beta)))
-    hbm = DEFAULT_LOCAL["hbm_bytes_per_s"]
+    hbm = update_bytes_per_s(REFERENCE[0])
     return {"peak_flops": peak, "half_flops": half, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
