@@ -214,7 +214,7 @@ def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> f
 def update_bytes_per_s(preset: str = "small", steps: int = 3) -> float:
     """The optimizer update's rate in the time model's unit: 2 × the fp32 AdamW model-state bytes (every
     state read and written once) over the CPU seconds of one torch AdamW step on the reference model, one
-    thread. Measured, not assumed: left at a fixed 10 GB/s, an update that really ran 2–3× slower was
+    thread. Measured, not assumed: left at a fixed 10 GB/s, an update that really ran about 2× slower was
     folded into the non-matmul rate at the calibration's shape and charged by activation bytes
     elsewhere, so shapes with more parameters per activation byte came out too fast, and fewer too slow."""
     from tessera.planner.catalog import from_model_config
