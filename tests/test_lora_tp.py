@@ -223,13 +223,16 @@ LAYOUTS = {  # name → (world size, model, flags)
                              "--pipeline.microbatches=4"]),
     "cp2": (2, "dense", ["--parallel.cp=2"]),
     "ep2": (2, "moe", ["--parallel.dp_replicate=2", "--parallel.ep=2"]),
-    "2d": (4, "dense", ["--parallel.tp=4", "--tensor_parallel.mode=2d"]),
+    "2d": (4, "dense-mb4", ["--parallel.tp=4", "--tensor_parallel.mode=2d"]),
 }
 
 
 def _trainer_args(out, cache, model, extra):
+    """``model``: "dense" or "moe", "-mb4" for micro-batches of 4 (the 2D grid: each of its micro-batches
+    is hundreds of latency-bound collectives; 2 per step still accumulate) instead of 2."""
+    micro = 4 if model.endswith("-mb4") else 2
     args = tiny_args(out, cache, extra=[*TRAINER_BASE, *(MOE if model == "moe" else []), *extra])
-    return [*args, "--data.global_batch_size=8", "--data.micro_batch_size=2"]
+    return [*args, "--data.global_batch_size=8", f"--data.micro_batch_size={micro}"]
 
 
 def lora_trainer_worker(rank, world_size, args):

@@ -156,9 +156,9 @@ BASE = ["--model.qkv_bias=true", "--model.n_layers=2", "--checkpoint.save_final=
 MOE = ["--model.num_experts=4", "--moe.top_k=2"]
 LAYOUTS = {  # name → (world size, model, flags)
     "tp2-sp": (2, "dense", ["--parallel.tp=2", "--tensor_parallel.sequence_parallel=true"]),
-    "2d": (4, "dense", ["--parallel.tp=4", "--tensor_parallel.mode=2d"]),
-    "2.5d": (8, "dense", ["--parallel.tp=8", "--tensor_parallel.mode=2.5d", "--tensor_parallel.depth=2"]),
-    "3d": (8, "dense", ["--parallel.tp=8", "--tensor_parallel.mode=3d"]),
+    "2d": (4, "dense-mb4", ["--parallel.tp=4", "--tensor_parallel.mode=2d"]),
+    "2.5d": (8, "dense-mb4", ["--parallel.tp=8", "--tensor_parallel.mode=2.5d", "--tensor_parallel.depth=2"]),
+    "3d": (8, "dense-mb4", ["--parallel.tp=8", "--tensor_parallel.mode=3d"]),
     "pp2xtp2": (4, "dense", ["--parallel.pp=2", "--parallel.tp=2", "--pipeline.schedule=1f1b",
                              "--pipeline.microbatches=4"]),
     "cp2xzero3": (4, "dense", ["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.zero_stage=3"]),
@@ -168,8 +168,11 @@ LAYOUTS = {  # name → (world size, model, flags)
 
 
 def _args(out, cache, model, extra):
-    args = tiny_args(out, cache, extra=[*BASE, *(MOE if model == "moe" else []), *extra])
-    return [*args, "--data.global_batch_size=8", "--data.micro_batch_size=2"]
+    """``model``: "dense" or "moe", "-mb4" for micro-batches of 4 (the grids: each of their micro-batches
+    is hundreds of latency-bound collectives; 2 per step still accumulate) instead of 2."""
+    micro = 4 if model.endswith("-mb4") else 2
+    args = tiny_args(out, cache, extra=[*BASE, *(MOE if model.startswith("moe") else []), *extra])
+    return [*args, "--data.global_batch_size=8", f"--data.micro_batch_size={micro}"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,9 @@ from test_trainer import tiny_args
 from test_trainer_strategies import assert_like_single_process, metrics
 
 STEPS = 4
-COMMON = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=100"]
+# 2 micro-batches of 4 per step (tiny_args has 4 of 2): a grid's step is hundreds of latency-bound
+# collectives, and 2 still accumulate; at dp 2 each rank runs one
+COMMON = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--data.micro_batch_size=4"]
 ND = {"2d": ["--tensor_parallel.mode=2d"], "2.5d": ["--tensor_parallel.mode=2.5d", "--tensor_parallel.depth=2"],
       "3d": ["--tensor_parallel.mode=3d"]}
 LAYOUTS = {  # name → (world size, extra args)
@@ -172,6 +174,6 @@ def test_shapes_and_pairings_a_grid_cannot_split_fail_with_one_sentence(world, a
 def test_nd_trainer_keeps_collective_tensors_on_the_device(rank_pool, tmp_path, corpus_cache):
     """One 2D step under the emulated accelerator: the grid's, the loss's and the tokens' collectives
     (grid groups, the tp partition, the token count) get no host tensor."""
-    args = trainer_args(tmp_path, corpus_cache, "2d-device", ["--parallel.tp=4", *ND["2d"]])
+    args = trainer_args(tmp_path, corpus_cache, "2d-device", ["--parallel.tp=4", *ND["2d"], "--data.micro_batch_size=4"])
     results = rank_pool.run(emulated_trainer, 4, args=args)
     assert all(r["groups"] == {"cpu:0"} for r in results) and "tp=4" in results[0]["layout"]
