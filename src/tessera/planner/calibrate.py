@@ -1,13 +1,13 @@
 """Measure this machine: the matmul rate of one rank and gloo all-reduce α and β between local ranks.
 
-The only part of the planner that runs anything: it starts its own ranks (tessera.spawn; a FileStore in
-a temporary folder, an explicit timeout), times all-reduces of several sizes, and fits the ring model
-t(S) = 2(n−1)·α + 2(n−1)/n·S/β by least squares. A few seconds on two cores.
+The only part of the planner that runs anything: it times the reference step's single-thread pieces in
+the same rounds (tessera.planner.reference_step), starts its own ranks (tessera.spawn; a FileStore in a
+temporary folder, an explicit timeout), times all-reduces of several sizes, and fits the ring model
+t(S) = 2(n−1)·α + 2(n−1)/n·S/β by least squares. About twenty seconds on two cores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
@@ -15,19 +15,16 @@ from datetime import timedelta
 
 import torch
 
+from tessera.planner import reference_step as ref
+from tessera.planner.reference_step import REFERENCE, fastest, one_thread  # noqa: F401 (REFERENCE: re-exported)
+
 SIZES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)  # bytes per all-reduce
-# the reference step: tessera's `small` preset, 4 sequences of 128 tokens; its matmuls are [512, 256] by
-# [256, n] for n = 256 (wq, wo, head), 128 (wk, wv), 688 (w1, w3) and the [512, 688] by [688, 256] of w2
-REFERENCE = ("small", 4, 128)
-LAYER_MATMULS = ((256, 256), (256, 256), (256, 128), (256, 128), (256, 688), (256, 688), (688, 256))
 SYNC_BYTES = 512 * 2**10  # the interleaved all-reduce: one tensor-parallel all-reduce of the reference step
 
 
 def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=torch.float32) -> float:
     """FLOP/s of an n×n×n matmul on ``threads`` threads (one rank's share of the CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with one_thread(threads):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up
         reps, start = 0, time.perf_counter()
@@ -35,8 +32,6 @@ def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=to
             a @ b
             reps += 1
         return 2.0 * n**3 * reps / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
 
 
 def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1, dtype=torch.float32) -> float:
@@ -45,47 +40,17 @@ def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1
     in the thread's CPU time (as the training step is), so that other processes on a shared machine do
     not slow the calibration: these are the rates of a rank that has its core. At least one pass runs,
     however long it takes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        mats = [tuple(torch.randn(*shape, dtype=dtype) for shape in ((tokens, k), (n, k), (tokens, n)))
-                for k, n in LAYER_MATMULS]
-        flops = sum(6 * tokens * k * n for k, n in LAYER_MATMULS)
-        best, start = float("inf"), time.perf_counter()
-        while time.perf_counter() - start < seconds or best == float("inf"):
-            t0 = time.thread_time()
-            for x, w, dy in mats:
-                x @ w.t(), dy @ w, dy.t() @ x
-            best = min(best, time.thread_time() - t0)
-        return flops / best
-    finally:
-        torch.set_num_threads(before)
+    with one_thread(threads):
+        run, flops = ref.layer_matmuls(tokens, dtype)
+        return flops / fastest({"matmuls": run}, seconds)["matmuls"]
 
 
 def attention_rate(seconds: float = 0.5, threads: int = 1) -> float:
-    """FLOP/s of the reference layer's causal attention as training runs it (the model's SDPA, forward
-    and backward, q [4, 128, 8, 32] over k, v [4, 128, 4, 32]), counted as the planner counts it
-    (12·h·s per token, no causal saving), in thread CPU time. Its matmuls are [128, 32]-thin, so they
-    run well below the layer matmuls' rate, and their share of a step grows with the sequence length."""
-    from tessera.models import model_config
-    from tessera.models.layers import causal_sdpa
-
-    preset, rows, seq = REFERENCE
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        cfg = model_config(preset)
-        e = cfg.head_dim
-        q = torch.randn(rows, seq, cfg.n_heads, e, requires_grad=True)
-        k, v = (torch.randn(rows, seq, cfg.n_kv_heads, e, requires_grad=True) for _ in range(2))
-        best, start = float("inf"), time.perf_counter()
-        while time.perf_counter() - start < seconds or best == float("inf"):
-            t0 = time.thread_time()
-            causal_sdpa(q, k, v).sum().backward()
-            best = min(best, time.thread_time() - t0)
-        return 12.0 * cfg.dim * seq * rows * seq / best
-    finally:
-        torch.set_num_threads(before)
+    """FLOP/s of the reference layer's causal attention as training runs it (reference_step.attention),
+    in thread CPU time. Its share of a step grows with the sequence length."""
+    with one_thread(threads):
+        run, flops = ref.attention()
+        return flops / fastest({"attention": run}, seconds)["attention"]
 
 
 def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
@@ -170,45 +135,21 @@ def training_step_flops(preset: str = "small", rows: int = 4, seq: int = 128, st
     """FLOP/s one rank reaches training tessera's reference model (model FLOPs / fastest step time, one
     thread): the rate small CPU runs really get, well below a large matmul's, since norms, softmax, the
     optimizer and framework overhead weigh as much as the matmuls at these sizes."""
-    from tessera.models import cross_entropy_sum
-
-    with _one_thread_model(preset) as (cfg, model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, cfg.vocab_size, (rows, seq))
-        times = []
-        for _ in range(steps + 1):
-            t0 = time.thread_time()
-            s, n = cross_entropy_sum(model(x), x)
-            (s / n).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.thread_time() - t0)
-        return cfg.flops_per_token(seq) * rows * seq / min(times[1:])  # CPU seconds: load does not count
-
-
-@contextlib.contextmanager
-def _one_thread_model(preset: str):
-    """(config, seeded reference model) of ``preset``, with torch on one thread (as a rank runs)."""
-    from tessera.models import Transformer, model_config
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cfg = model_config(preset)
-        torch.manual_seed(0)
-        yield cfg, Transformer(cfg)
-    finally:
-        torch.set_num_threads(before)
+    with one_thread():
+        run, flops = ref.training_step(preset, rows, seq)
+        return flops / fastest({"step": run}, 0.0, steps + 1)["step"]  # CPU seconds: load does not count
 
 
 def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> float:
     """The reference layer's matmul rate in bf16 (what ``precision.dtype = "bf16"`` runs its products in),
     as ``peak`` (the fp32 rate of :func:`layer_matmul_flops`) times the bf16 ÷ fp32 rate of the same
-    products on ``tokens`` rows. CPUs without bf16 instructions (AVX2) run bf16 products through torch's
-    reference kernel, tens of times slower than fp32; those with AVX512-BF16 or AMX run them faster. A
-    quarter of the fp32 tokens keeps one bf16 pass under a second on the slow kind."""
-    bf16 = layer_matmul_flops(tokens, seconds, dtype=torch.bfloat16)
-    return peak * bf16 / layer_matmul_flops(tokens, seconds)
+    products on ``tokens`` rows, the two timed in turn. CPUs without bf16 instructions (AVX2) run bf16
+    products through torch's reference kernel, tens of times slower than fp32; those with AVX512-BF16 or
+    AMX run them faster. A quarter of the fp32 tokens keeps one bf16 pass under a second on the slow kind."""
+    with one_thread():
+        (half, _), (full, _) = ref.layer_matmuls(tokens, torch.bfloat16), ref.layer_matmuls(tokens)
+        best = fastest({"bf16": half, "fp32": full}, seconds)
+    return peak * best["fp32"] / best["bf16"]
 
 
 def update_bytes_per_s(preset: str = "small", steps: int = 3) -> float:
@@ -217,50 +158,25 @@ def update_bytes_per_s(preset: str = "small", steps: int = 3) -> float:
     thread. Measured, not assumed: left at a fixed 10 GB/s, an update that really ran about 2× slower was
     folded into the non-matmul rate at the calibration's shape and charged by activation bytes
     elsewhere, so shapes with more parameters per activation byte came out too fast, and fewer too slow."""
-    from tessera.planner.catalog import from_model_config
-    from tessera.planner.memory import model_state_bytes
-
-    with _one_thread_model(preset) as (cfg, model):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        opt.step()  # creates the moments
-        best = float("inf")
-        for _ in range(steps):
-            t0 = time.thread_time()
-            opt.step()
-            best = min(best, time.thread_time() - t0)
-    params = from_model_config(preset, cfg).num_params()
-    return 2 * model_state_bytes(params, zero_stage=0, dp=1, precision="fp32")["total"] / best
+    with one_thread():
+        run, moved = ref.update(preset)
+        return moved / fastest({"update": run}, 0.0, steps + 1)["update"]
 
 
-def layer_call_seconds(splits: int = 4, rounds: int = 5) -> float:
+def layer_call_seconds(splits: int = ref.SPLITS, rounds: int = 5) -> float:
     """Fixed CPU seconds of one layer's forward and backward on one micro-batch: the reference step run
     as ``splits`` micro-batches (gradient accumulation) against one, the difference spread over the
     extra passes through its layers and its embedding / head (counted as one more layer)."""
-    from tessera.models import cross_entropy_sum
-
-    preset, rows, seq = REFERENCE
-    with _one_thread_model(preset) as (cfg, model):
-        x = torch.randint(0, cfg.vocab_size, (rows, seq))
-        best = {1: float("inf"), splits: float("inf")}
-        for _ in range(rounds + 1):  # alternate, so that a change in the machine's load hits both alike
-            for k in best:
-                t0 = time.thread_time()
-                for part in x.chunk(k):
-                    s, _ = cross_entropy_sum(model(part), part)
-                    s.backward()
-                model.zero_grad(set_to_none=True)
-                best[k] = min(best[k], time.thread_time() - t0)
-        return max(0.0, best[splits] - best[1]) / ((splits - 1) * (cfg.n_layers + 1))
+    with one_thread():
+        (one, _), (split, passes) = ref.accumulated_passes(1), ref.accumulated_passes(splits)
+        best = fastest({"one": one, "split": split}, 0.0, rounds + 1)
+    return max(0.0, best["split"] - best["one"]) / passes
 
 
-def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float,
-                                 layer_call_s: float = 0.0, attention_rate: float = 0.0) -> float:
-    """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
-    per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
-    kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
-    save, so the time model charges them by those bytes."""
+def _rest(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float, layer_call_s: float = 0.0,
+          attention_rate: float = 0.0) -> tuple[float, float, float]:
+    """(seconds of the reference step outside its matmuls, attention, fixed per-layer costs and the
+    optimizer update, may be negative; the step's seconds; the activation bytes it saves)."""
     from tessera.models import model_config
     from tessera.planner.catalog import from_model_config
     from tessera.planner.estimate import activation_bytes_per_step
@@ -276,8 +192,31 @@ def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, h
     attn = attention(spec, rows * seq, seq)
     rest = (measured - (model_flops(spec, rows * seq, seq) - attn) / matmul_flops
             - attn / (attention_rate or matmul_flops) - update / hbm_bytes_per_s - layer_call_s * (spec.layers + 1))
-    acts = activation_bytes_per_step(spec, Layout(micro_batch=rows), rows, seq, precision="fp32")
+    return rest, measured, activation_bytes_per_step(spec, Layout(micro_batch=rows), rows, seq, precision="fp32")
+
+
+def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float,
+                                 layer_call_s: float = 0.0, attention_rate: float = 0.0) -> float:
+    """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
+    per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
+    kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
+    save, so the time model charges them by those bytes."""
+    rest, _, acts = _rest(step_flops_alone, matmul_flops, hbm_bytes_per_s, layer_call_s, attention_rate)
     return max(0.0, rest) / acts
+
+
+def _rates_args(r: dict) -> tuple:
+    return r["step_flops_alone"], r["peak_flops"], r["hbm_bytes_per_s"], r["layer_call_s"], r["attention_rate"]
+
+
+def elementwise_from_rounds(fastest: dict, per_round: list[dict]) -> float:
+    """:func:`elementwise_seconds_per_byte` from rates timed in rounds (reference_step.rates): the rest
+    as a share of each round's own step (its pieces timed within a second of each other, at one speed of a
+    shared machine), the median share over rounds, of the fastest step. A difference of the fastest
+    passes instead mixes passes made at different speeds: on a busy machine it came out 0 as often as not."""
+    shares = sorted(rest / step for rest, step, _ in (_rest(*_rates_args(r)) for r in per_round))
+    _, step, acts = _rest(*_rates_args(fastest))
+    return max(0.0, shares[len(shares) // 2]) * step / acts
 
 
 def calibrate(world: int = 2) -> dict:
@@ -294,18 +233,16 @@ def calibrate(world: int = 2) -> dict:
     from tessera.planner.comm_model import Link, all_reduce_s
 
     start = time.perf_counter()
-    peak = layer_matmul_flops()
+    single, per_round = ref.rates()  # the reference step's pieces, timed in the same rounds
+    peak, attn, alone = single["peak_flops"], single["attention_rate"], single["step_flops_alone"]
+    calls, hbm = single["layer_call_s"], single["hbm_bytes_per_s"]
     half = half_matmul_flops(peak)
-    attn = attention_rate()
-    alone = training_step_flops(*REFERENCE)
-    calls = layer_call_seconds()
     alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
     sync = max(0.0, interleaved - all_reduce_s(SYNC_BYTES, world, Link(alpha, beta)))
-    hbm = update_bytes_per_s(REFERENCE[0])
     return {"peak_flops": peak, "half_flops": half, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
-            "elementwise_s_per_byte": elementwise_seconds_per_byte(alone, peak, hbm, calls, attn),
+            "elementwise_s_per_byte": elementwise_from_rounds(single, per_round),
             "layer_call_s": calls, "attention_rate": attn,
             "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
