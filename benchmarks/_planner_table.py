@@ -44,11 +44,6 @@ def step_err(r: dict) -> float | None:
     return err(r["step_pred"], r["step_meas"])
 
 
-def step_err_at_speed(r: dict) -> float | None:
-    """The same, predicted with the calibration scaled to the host's speed just before the row."""
-    return err(r["step_pred_at_speed"], r["step_meas"]) if "step_pred_at_speed" in r else None
-
-
 def _row(r: dict) -> str:
     comm = "; ".join(f"{p:,.0f} / {m:,.0f} ({a})" for a, p, m in r["comm"])
     # pred ÷ each measured step (the slowest rank's step i): its median and range over the timed steps
@@ -58,24 +53,20 @@ def _row(r: dict) -> str:
             f"{r['acts_pred'] / 1e6:.3f} / {r['acts_meas'] / 1e6:.3f} | {_pct(memory_err(r))} | {comm} | "
             f"{r['step_pred']:.4f} / {r['step_meas']:.4f} | {_pct(step_err(r))} | {ratios} | "
             f"{collective_s(r['parts_pred']):.4f} / {r['blocked_meas']:.4f} | "
-            f"{compute_s(r['parts_pred']):.4f} / {r['cpu_meas']:.4f} | "
-            f"{r['speed']:.2f} | {_pct(step_err_at_speed(r))} |")
+            f"{compute_s(r['parts_pred']):.4f} / {r['cpu_meas']:.4f} |")
 
 
 def table(rows: list[dict]) -> str:
     head = ("| shape | config | ranks | model states pred / meas (MB) | activations pred / meas (MB) "
             "| memory err | comm bytes/step pred / meas (axis) | step s pred / fastest meas | err "
-            "| pred ÷ meas per step | in collectives s pred / meas | compute s pred / CPU meas "
-            "| host speed | err at that speed |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| pred ÷ meas per step | in collectives s pred / meas | compute s pred / CPU meas |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return "\n".join([head, *(_row(r) for r in rows)])
 
 
-def summary(rows: list[dict], calibration_shape: str, development: tuple = (), at_speed: bool = False) -> str:
+def summary(rows: list[dict], calibration_shape: str, development: tuple = ()) -> str:
     """The errors of the calibration shape, of the ``development`` shapes (the planner was tuned on them,
-    so they are reported apart) and of the held-out rest, and every held-out row off target; the step
-    errors of the predictions at each row's host speed with ``at_speed``."""
-    error = step_err_at_speed if at_speed else step_err
+    so they are reported apart) and of the held-out rest, and every held-out row off target."""
     lines = []
     held = [r for r in rows if r["shape"] != calibration_shape and r["shape"] not in development]
     for label, group in (("calibration shape", [r for r in rows if r["shape"] == calibration_shape]),
@@ -83,13 +74,13 @@ def summary(rows: list[dict], calibration_shape: str, development: tuple = (), a
                          ("held-out shapes", held)):
         if not group:
             continue
-        steps = [abs(error(r)) for r in group if error(r) is not None]
+        steps = [abs(step_err(r)) for r in group if step_err(r) is not None]
         mems = [abs(memory_err(r)) for r in group if memory_err(r) is not None]
         lines.append(f"- {label} ({len(group)} rows): |step error| median {statistics.median(steps):.1%}, "
                      f"largest {max(steps):.1%}; |memory error| median {statistics.median(mems):.2%}, "
                      f"largest {max(mems):.2%}.")
-    misses = [f"{r['shape']}/{r['config']} (step {_pct(error(r))}, memory {_pct(memory_err(r))})"
-              for r in held if abs(error(r) or 0) > STEP_TARGET or abs(memory_err(r) or 0) > MEMORY_TARGET]
+    misses = [f"{r['shape']}/{r['config']} (step {_pct(step_err(r))}, memory {_pct(memory_err(r))})"
+              for r in held if abs(step_err(r) or 0) > STEP_TARGET or abs(memory_err(r) or 0) > MEMORY_TARGET]
     if held:
         lines.append(f"- held-out rows outside the targets (step within {STEP_TARGET:.0%}, memory within "
                      f"{MEMORY_TARGET:.0%}): " + (", ".join(misses) if misses else "none") + ".")

@@ -39,7 +39,6 @@ from tessera.testing import RankPool  # noqa: E402
 from tessera.topology import ParallelConfig, Topology  # noqa: E402
 from tessera.train.memory import MemoryLedger, storage_bytes  # noqa: E402
 from _planner_trainer import measure_trainer  # noqa: E402
-from _host_speed import at_speed, probe  # noqa: E402
 
 DOC = DOCS / "PLANNER.md"
 
@@ -279,12 +278,8 @@ def run_all(kinds, shapes, steps, calibration) -> list[dict]:
     try:
         for shape in shapes:
             for kind in kinds:
-                speed = probe(calibration)  # the machine's speed now, on the calibration's shape
                 got = _measure(pools, kind, shape, steps)
-                row = _row(kind, shape, got, predict(kind, shape, calibration))
-                row["speed"] = speed
-                row["step_pred_at_speed"] = predict(kind, shape, at_speed(calibration, speed))["step_s"]
-                rows_out.append(row)
+                rows_out.append(_row(kind, shape, got, predict(kind, shape, calibration)))
                 print(json.dumps(rows_out[-1]), flush=True)
     finally:
         for pool in pools.values():
@@ -310,11 +305,8 @@ def document(rows: list[dict], shapes: list[str], steps: int, calibration: dict)
            + "; ".join(_shape_line(x) for x in shapes) + ". fp32, AdamW. Step times: the fastest of "
            f"{steps} timed steps (after 2 warm-up steps) of the slowest rank; \"pred ÷ meas per step\" is "
            "the median (min–max) of the prediction over each timed step. Memory error: model states + "
-           "saved activations of the busiest rank. \"host speed\": the calibration's reference step timed "
-           "again just before the row, over its rate in the calibration; \"err at that speed\": the step "
-           "error with the calibration's compute rates scaled by it (benchmarks/_host_speed.py).")
-    return "\n\n".join([ctx, table(rows), summary(rows, "cal", DEVELOPMENT),
-                        "At the host speed of each row:\n\n" + summary(rows, "cal", DEVELOPMENT, at_speed=True)])
+           "saved activations of the busiest rank.")
+    return "\n\n".join([ctx, table(rows), summary(rows, "cal", DEVELOPMENT)])
 
 
 def at_scale() -> str:
