@@ -2,6 +2,8 @@
 pure): a calibration on one sequence length then carries over to others, where attention's share of the
 step differs (its FLOPs grow with s² per sequence, the layer matmuls' with s)."""
 
+import dataclasses
+
 import pytest
 
 from tessera.models.config import model_config
@@ -41,9 +43,44 @@ def test_the_calibration_step_is_reproduced_whatever_the_attention_rate():
     preset, rows, seq = REFERENCE
     cfg = model_config(preset)
     measured = cfg.flops_per_token(seq) * rows * seq / CAL["step_flops_alone"]
-    for rate in (0.0, 6e10):
-        cal = {**CAL, "attention_rate": rate, "elementwise_s_per_byte": elementwise_seconds_per_byte(
-            CAL["step_flops_alone"], CAL["peak_flops"], CAL["hbm_bytes_per_s"], CAL["layer_call_s"], rate)}
+    for rate, row in ((0.0, 0.0), (6e10, 0.0), (8e10, 3e-7)):
+        cal = {**CAL, "attention_rate": rate, "attention_row_s": row,
+               "elementwise_s_per_byte": elementwise_seconds_per_byte(
+                   CAL["step_flops_alone"], CAL["peak_flops"], CAL["hbm_bytes_per_s"], CAL["layer_call_s"], rate, row)}
+        assert cal["elementwise_s_per_byte"] > 0
         est = estimate(SMALL, Layout(micro_batch=rows), local_gpu(1, cal), rows, seq, precision="fp32",
                        optimizer="adam")
         assert est.step_time_s == pytest.approx(measured, rel=1e-9)
+
+
+def test_a_per_row_cost_adds_its_seconds_per_token_head_and_layer_and_reruns_with_the_forward():
+    layout, batch, seq = Layout(tp=2, micro_batch=4), 4, 256
+    cal = {**CAL, "attention_rate": 5e10}
+    base = estimate(SMALL, layout, local_gpu(2, cal), batch, seq, precision="fp32", optimizer="adam")
+    gpu = local_gpu(2, {**cal, "attention_row_s": 1e-6})
+    rows = estimate(SMALL, layout, gpu, batch, seq, precision="fp32", optimizer="adam")
+    extra = 1e-6 * batch * seq * SMALL.heads * SMALL.layers / layout.world / gpu.compute_efficiency
+    assert rows.time_s["compute"] - base.time_s["compute"] == pytest.approx(extra)
+    selective = dataclasses.replace(layout, recompute="selective")  # re-runs attention's forward: 16/12
+    a, b = (estimate(SMALL, selective, local_gpu(2, c), batch, seq, precision="fp32", optimizer="adam")
+            for c in (cal, {**cal, "attention_row_s": 1e-6}))
+    assert b.time_s["compute"] - a.time_s["compute"] == pytest.approx(extra * 16 / 12)
+
+
+def test_passes_at_several_sequence_lengths_give_the_rate_and_the_per_row_cost():
+    from tessera.planner.reference_step import ATTENTION_LENGTHS, attention_fit
+
+    cfg = model_config(REFERENCE[0])
+
+    def passes(rate, row, noise=(1.0, 1.0, 1.0)):  # the calibration's passes on a machine of that rate
+        return [(b, s, (12.0 * cfg.head_dim * s / rate + row) * b * s * cfg.n_heads * k)
+                for (b, s), k in zip(ATTENTION_LENGTHS, noise)]
+
+    rate, row = attention_fit(passes(5e10, 6e-7))
+    assert rate == pytest.approx(5e10) and row == pytest.approx(6e-7)
+    # a longer sequence no dearer per token (disturbed passes): FLOPs alone, at their mean rate
+    flat = attention_fit(passes(5e10, 6e-7, noise=(2.5, 1.0, 0.4)))
+    assert flat[1] == 0.0 and 1e10 < flat[0] < 5e10
+    # no per-row cost at all, measured a little low at the shortest length: the line through 0, not below it
+    rate, row = attention_fit(passes(5e10, 0.0, noise=(0.9, 1.0, 1.0)))
+    assert row == 0.0 and rate == pytest.approx(5e10, rel=0.05)

@@ -6,19 +6,21 @@ import pytest
 from tessera.planner.calibrate import elementwise_from_rounds, elementwise_seconds_per_byte
 from tessera.planner.reference_step import rates, timed_rounds
 
-# one consistent machine: the reference step at 2.5e10 FLOP/s, its layer matmuls at 4e10, attention at 2e10
+# one consistent machine: the reference step at 2.5e10 FLOP/s, its layer matmuls at 4e10, attention at 3e10
 BASE = {"step_flops_alone": 2.5e10, "peak_flops": 4e10, "hbm_bytes_per_s": 1e10, "layer_call_s": 2e-3,
-        "attention_rate": 2e10}
+        "attention_rate": 3e10, "attention_row_s": 3e-7}
+SECONDS = ("layer_call_s", "attention_row_s")
 
 
 def _args(r):
-    return r["step_flops_alone"], r["peak_flops"], r["hbm_bytes_per_s"], r["layer_call_s"], r["attention_rate"]
+    return (r["step_flops_alone"], r["peak_flops"], r["hbm_bytes_per_s"], r["layer_call_s"], r["attention_rate"],
+            r["attention_row_s"])
 
 
 def at_speed(k: float, **only) -> dict:
     """BASE on a machine k times as fast (rates × k, seconds ÷ k); ``only``: other factors for some pieces."""
     factors = {name: only.get(name, k) for name in BASE}
-    return {name: value / factors[name] if name == "layer_call_s" else value * factors[name]
+    return {name: value / factors[name] if name in SECONDS else value * factors[name]
             for name, value in BASE.items()}
 
 
@@ -50,6 +52,6 @@ def test_rates_of_the_reference_step_are_measured_together():
     assert len(per_round) == 1
     for r in (at_one_speed, *per_round):
         assert set(r) == set(BASE)
-        assert all(v > 0 for k, v in r.items() if k != "layer_call_s") and r["layer_call_s"] >= 0
+        assert all(v > 0 for k, v in r.items() if k not in SECONDS) and all(r[k] >= 0 for k in SECONDS)
         # a training step runs more than its matmuls: below the matmul rate
         assert r["step_flops_alone"] < r["peak_flops"]

@@ -174,7 +174,7 @@ def layer_call_seconds(splits: int = ref.SPLITS, rounds: int = 5) -> float:
 
 
 def _rest(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float, layer_call_s: float = 0.0,
-          attention_rate: float = 0.0) -> tuple[float, float, float]:
+          attention_rate: float = 0.0, attention_row_s: float = 0.0) -> tuple[float, float, float]:
     """(seconds of the reference step outside its matmuls, attention, fixed per-layer costs and the
     optimizer update, may be negative; the step's seconds; the activation bytes it saves)."""
     from tessera.models import model_config
@@ -191,22 +191,26 @@ def _rest(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float, 
     update = 2 * model_state_bytes(spec.num_params(), zero_stage=0, dp=1, precision="fp32")["total"]
     attn = attention(spec, rows * seq, seq)
     rest = (measured - (model_flops(spec, rows * seq, seq) - attn) / matmul_flops
-            - attn / (attention_rate or matmul_flops) - update / hbm_bytes_per_s - layer_call_s * (spec.layers + 1))
+            - attn / (attention_rate or matmul_flops) - attention_row_s * rows * seq * spec.heads * spec.layers
+            - update / hbm_bytes_per_s - layer_call_s * (spec.layers + 1))
     return rest, measured, activation_bytes_per_step(spec, Layout(micro_batch=rows), rows, seq, precision="fp32")
 
 
 def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float,
-                                 layer_call_s: float = 0.0, attention_rate: float = 0.0) -> float:
+                                 layer_call_s: float = 0.0, attention_rate: float = 0.0,
+                                 attention_row_s: float = 0.0) -> float:
     """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
     per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
     kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
     save, so the time model charges them by those bytes."""
-    rest, _, acts = _rest(step_flops_alone, matmul_flops, hbm_bytes_per_s, layer_call_s, attention_rate)
+    rest, _, acts = _rest(step_flops_alone, matmul_flops, hbm_bytes_per_s, layer_call_s, attention_rate,
+                          attention_row_s)
     return max(0.0, rest) / acts
 
 
 def _rates_args(r: dict) -> tuple:
-    return r["step_flops_alone"], r["peak_flops"], r["hbm_bytes_per_s"], r["layer_call_s"], r["attention_rate"]
+    return (r["step_flops_alone"], r["peak_flops"], r["hbm_bytes_per_s"], r["layer_call_s"], r["attention_rate"],
+            r.get("attention_row_s", 0.0))
 
 
 def elementwise_from_rounds(fastest: dict, per_round: list[dict]) -> float:
@@ -226,7 +230,8 @@ def calibrate(world: int = 2) -> dict:
     ``half_flops`` (the same matmuls in bf16, for mixed-precision layouts),
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
-    the reference layer's causal attention, forward and backward), ``hbm_bytes_per_s`` (the optimizer
+    the reference layer's causal attention, forward and backward) and ``attention_row_s`` (its cost per
+    token and head beyond those FLOPs: reference_step.attention_fit), ``hbm_bytes_per_s`` (the optimizer
     update's bytes per second, :func:`update_bytes_per_s`), ``collective_sync_s``
     (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
     layer's fixed cost per micro-batch)."""
@@ -243,7 +248,7 @@ def calibrate(world: int = 2) -> dict:
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
             "elementwise_s_per_byte": elementwise_from_rounds(single, per_round),
-            "layer_call_s": calls, "attention_rate": attn,
+            "layer_call_s": calls, "attention_rate": attn, "attention_row_s": single["attention_row_s"],
             "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
             "seconds_taken": time.perf_counter() - start}

@@ -53,6 +53,11 @@ class GpuSpec:
     # On CPU they run at about 60% of the layer matmuls' rate, and their share of a step grows with the
     # sequence, so a model calibrated on one sequence length must charge them apart
     attention_flops: float = 0.0
+    # seconds per token, query head and layer (forward and backward) that attention costs beyond its FLOPs
+    # at attention_flops: the per-row work of its kernel (softmax statistics, masking, blocking), the
+    # same whatever the sequence, so short sequences run attention at a lower FLOP rate (on one CPU
+    # thread, 64 tokens at ~24 GFLOP/s and 512 at ~43); 0: FLOPs only
+    attention_row_s: float = 0.0
     # FLOP/s of bf16 matmuls where they differ from peak_flops (a calibrated CPU, whose peak_flops is its
     # fp32 rate: without bf16 instructions bf16 runs tens of times slower); 0: mixed precision at peak_flops
     half_flops: float = 0.0

@@ -76,19 +76,43 @@ def layer_matmuls(tokens: int = 512, dtype=torch.float32):
     return run, sum(6 * tokens * k * n for k, n in LAYER_MATMULS)
 
 
-def attention():
-    """The reference layer's causal attention, forward and backward, through the model's SDPA (q [4, 128,
-    8, 32] over k, v [4, 128, 4, 32]): (run, FLOPs as the planner counts them, 12·h·s per token with no
-    causal saving). Its matmuls are [128, 32]-thin, so they run well below the layer matmuls' rate."""
+def attention(rows: int = 4, seq: int = 128):
+    """The reference layer's causal attention, forward and backward, through the model's SDPA (q [rows,
+    seq, 8, 32] over k, v [rows, seq, 4, 32]; the reference step's is 4 × 128): (run, FLOPs as the
+    planner counts them, 12·h·s per token with no causal saving). Its matmuls are [seq, 32]-thin, so they
+    run well below the layer matmuls' rate."""
     from tessera.models import model_config
     from tessera.models.layers import causal_sdpa
 
-    preset, rows, seq = REFERENCE
-    cfg = model_config(preset)
+    cfg = model_config(REFERENCE[0])
     e = cfg.head_dim
     q = torch.randn(rows, seq, cfg.n_heads, e, requires_grad=True)
     k, v = (torch.randn(rows, seq, cfg.n_kv_heads, e, requires_grad=True) for _ in range(2))
     return lambda: causal_sdpa(q, k, v).sum().backward(), 12.0 * cfg.dim * seq * rows * seq
+
+
+ATTENTION_LENGTHS = ((16, 32), (4, 128), (1, 384))  # (sequences, tokens each) of the attention passes
+
+
+def attention_fit(passes: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(FLOP/s, seconds per token and head) of attention from passes of the reference layer's attention at
+    several sequence lengths, as (sequences, tokens each, seconds): per token and query head a pass costs
+    12·e·s FLOPs at the rate plus a fixed per-row cost, a straight line in s fitted by least squares (one
+    length alone cannot tell the two apart; the reference's 128 tokens ran at ~31 GFLOP/s where 512 ran
+    at ~43). A line that does not rise with s (disturbed passes) leaves the FLOPs alone at their mean rate;
+    one that would cost less than nothing per row, the line through 0."""
+    from tessera.models import model_config
+
+    cfg = model_config(REFERENCE[0])
+    x = [12.0 * cfg.head_dim * seq for _, seq, _ in passes]  # FLOPs per token and head
+    y = [t / (rows * seq * cfg.n_heads) for rows, seq, t in passes]  # seconds per token and head
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    if slope > 0 and my - slope * mx >= 0:
+        return 1.0 / slope, my - slope * mx
+    if slope <= 0:
+        return mx / my, 0.0
+    return sum(a * a for a in x) / sum(a * b for a, b in zip(x, y)), 0.0
 
 
 def _model(preset: str):
@@ -153,14 +177,14 @@ def update(preset: str = "small"):
 def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
     """The single-thread rates of the reference step, every piece timed in the same rounds: (the rates at
     the fastest step's speed, each round's own), each a dict of ``peak_flops`` (layer matmuls),
-    ``attention_rate``, ``step_flops_alone`` (a whole training step), ``layer_call_s`` (one micro-batch's
-    fixed cost per layer: the accumulated pass's extra seconds over its extra layer passes) and
-    ``hbm_bytes_per_s`` (the optimizer update). The first: each piece's seconds as the median over rounds
+    ``attention_rate`` and ``attention_row_s`` (:func:`attention_fit`), ``step_flops_alone`` (a whole
+    training step), ``layer_call_s`` (one micro-batch's fixed cost per layer: the accumulated pass's
+    extra seconds over its extra layer passes) and ``hbm_bytes_per_s`` (the optimizer update). The first: each piece's seconds as the median over rounds
     of its share of the round's step, times the fastest step, so that every piece is taken at one speed."""
     preset, rows, seq = REFERENCE
     with one_thread():
-        pieces = {"matmuls": layer_matmuls(), "attention": attention(), "step": training_step(preset, rows, seq),
-                  "one": accumulated_passes(1), "split": accumulated_passes(SPLITS), "update": update(preset)}
+        pieces = {"matmuls": layer_matmuls(), **{f"attention_{s}": attention(b, s) for b, s in ATTENTION_LENGTHS},
+                  "step": training_step(preset, rows, seq), "one": accumulated_passes(1), "split": accumulated_passes(SPLITS), "update": update(preset)}
         times = timed_rounds({name: run for name, (run, _) in pieces.items()}, seconds, min_rounds)
     work = {name: w for name, (_, w) in pieces.items()}
     rounds = [{name: times[name][r] for name in times} for r in range(len(times["step"]))]
@@ -168,9 +192,10 @@ def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
         t["calls"] = max(0.0, t.pop("split") - t.pop("one"))
 
     def of(t: dict) -> dict:
-        return {"peak_flops": work["matmuls"] / t["matmuls"], "attention_rate": work["attention"] / t["attention"],
-                "step_flops_alone": work["step"] / t["step"], "layer_call_s": t["calls"] / work["split"],
-                "hbm_bytes_per_s": work["update"] / t["update"]}
+        attention_rate, attention_row_s = attention_fit([(b, s, t[f"attention_{s}"]) for b, s in ATTENTION_LENGTHS])
+        return {"peak_flops": work["matmuls"] / t["matmuls"], "attention_rate": attention_rate,
+                "attention_row_s": attention_row_s, "step_flops_alone": work["step"] / t["step"],
+                "layer_call_s": t["calls"] / work["split"], "hbm_bytes_per_s": work["update"] / t["update"]}
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
