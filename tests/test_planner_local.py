@@ -164,9 +164,11 @@ def test_calibration_measures_a_bf16_rate_of_the_same_products():
 
 
 def test_calibration_times_the_optimizer_update_instead_of_assuming_a_bandwidth():
-    from tessera.planner.calibrate import update_bytes_per_s
     from tessera.planner.local import DEFAULT_LOCAL
+    from tessera.planner.reference_step import fastest, one_thread, update
 
-    rate = update_bytes_per_s()
+    with one_thread():
+        run, moved = update()
+        rate = moved / fastest({"update": run}, 0.0, 3)["update"]
     # a measured AdamW step over 32 bytes per parameter: positive, finite, and not the default it replaces
     assert 1e7 < rate < 1e13 and rate != DEFAULT_LOCAL["hbm_bytes_per_s"]

@@ -34,25 +34,6 @@ def matmul_flops(n: int = 512, seconds: float = 0.75, threads: int = 1, dtype=to
         return 2.0 * n**3 * reps / (time.perf_counter() - start)
 
 
-def layer_matmul_flops(tokens: int = 512, seconds: float = 0.5, threads: int = 1, dtype=torch.float32) -> float:
-    """FLOP/s of the reference layer's matmuls as training runs them (forward y = x·Wᵀ, backward
-    dx = dy·W and dW = dyᵀ·x), one thread: the matmul rate the time model's FLOPs are charged at. Timed
-    in the thread's CPU time (as the training step is), so that other processes on a shared machine do
-    not slow the calibration: these are the rates of a rank that has its core. At least one pass runs,
-    however long it takes."""
-    with one_thread(threads):
-        run, flops = ref.layer_matmuls(tokens, dtype)
-        return flops / fastest({"matmuls": run}, seconds)["matmuls"]
-
-
-def attention_rate(seconds: float = 0.5, threads: int = 1) -> float:
-    """FLOP/s of the reference layer's causal attention as training runs it (reference_step.attention),
-    in thread CPU time. Its share of a step grows with the sequence length."""
-    with one_thread(threads):
-        run, flops = ref.attention()
-        return flops / fastest({"attention": run}, seconds)["attention"]
-
-
 def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
     """Seconds a SYNC_BYTES all-reduce adds to a segment of compute when every segment ends with one, as a
     tensor-parallel rank issues them: each round times ``reps`` segments alone, then ``reps`` with the
@@ -142,7 +123,7 @@ def training_step_flops(preset: str = "small", rows: int = 4, seq: int = 128, st
 
 def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> float:
     """The reference layer's matmul rate in bf16 (what ``precision.dtype = "bf16"`` runs its products in),
-    as ``peak`` (the fp32 rate of :func:`layer_matmul_flops`) times the bf16 ÷ fp32 rate of the same
+    as ``peak`` (the calibration's fp32 layer-matmul rate, reference_step.rates) times the bf16 ÷ fp32 rate of the same
     products on ``tokens`` rows, the two timed in turn. CPUs without bf16 instructions (AVX2) run bf16
     products through torch's reference kernel, tens of times slower than fp32; those with AVX512-BF16 or
     AMX run them faster. A quarter of the fp32 tokens keeps one bf16 pass under a second on the slow kind."""
@@ -150,27 +131,6 @@ def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> f
         (half, _), (full, _) = ref.layer_matmuls(tokens, torch.bfloat16), ref.layer_matmuls(tokens)
         best = fastest({"bf16": half, "fp32": full}, seconds)
     return peak * best["fp32"] / best["bf16"]
-
-
-def update_bytes_per_s(preset: str = "small", steps: int = 3) -> float:
-    """The optimizer update's rate in the time model's unit: 2 × the fp32 AdamW model-state bytes (every
-    state read and written once) over the CPU seconds of one torch AdamW step on the reference model, one
-    thread. Measured, not assumed: left at a fixed 10 GB/s, an update that really ran about 2× slower was
-    folded into the non-matmul rate at the calibration's shape and charged by activation bytes
-    elsewhere, so shapes with more parameters per activation byte came out too fast, and fewer too slow."""
-    with one_thread():
-        run, moved = ref.update(preset)
-        return moved / fastest({"update": run}, 0.0, steps + 1)["update"]
-
-
-def layer_call_seconds(splits: int = ref.SPLITS, rounds: int = 5) -> float:
-    """Fixed CPU seconds of one layer's forward and backward on one micro-batch: the reference step run
-    as ``splits`` micro-batches (gradient accumulation) against one, the difference spread over the
-    extra passes through its layers and its embedding / head (counted as one more layer)."""
-    with one_thread():
-        (one, _), (split, passes) = ref.accumulated_passes(1), ref.accumulated_passes(splits)
-        best = fastest({"one": one, "split": split}, 0.0, rounds + 1)
-    return max(0.0, best["split"] - best["one"]) / passes
 
 
 def _rest(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float, layer_call_s: float = 0.0,
@@ -232,7 +192,7 @@ def calibrate(world: int = 2) -> dict:
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
     the reference layer's causal attention, forward and backward) and ``attention_row_s`` (its cost per
     token and head beyond those FLOPs: reference_step.attention_fit), ``hbm_bytes_per_s`` (the optimizer
-    update's bytes per second, :func:`update_bytes_per_s`), ``collective_sync_s``
+    update's bytes per second, reference_step.update), ``collective_sync_s``
     (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
     layer's fixed cost per micro-batch)."""
     from tessera.planner.comm_model import Link, all_reduce_s

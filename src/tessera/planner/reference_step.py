@@ -161,7 +161,9 @@ def accumulated_passes(splits: int):
 
 def update(preset: str = "small"):
     """One torch AdamW update of ``preset`` (gradients given, moments made): (run, bytes in the time
-    model's unit, 2 × the fp32 model-state bytes: every state read and written once)."""
+    model's unit, 2 × the fp32 model-state bytes: every state read and written once). Timed, not assumed:
+    left at a fixed 10 GB/s, an update that ran about 2× slower went into the non-matmul rate at the
+    reference shape and was charged by activation bytes elsewhere."""
     from tessera.planner.catalog import from_model_config
     from tessera.planner.memory import model_state_bytes
 
