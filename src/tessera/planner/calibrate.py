@@ -173,13 +173,14 @@ def _rates_args(r: dict) -> tuple:
             r.get("attention_row_s", 0.0))
 
 
-def elementwise_from_rounds(fastest: dict, per_round: list[dict]) -> float:
+def elementwise_from_rounds(at_one_speed: dict, per_round: list[dict]) -> float:
     """:func:`elementwise_seconds_per_byte` from rates timed in rounds (reference_step.rates): the rest
-    as a share of each round's own step (its pieces timed within a second of each other, at one speed of a
-    shared machine), the median share over rounds, of the fastest step. A difference of the fastest
-    passes instead mixes passes made at different speeds: on a busy machine it came out 0 as often as not."""
+    as a share of each round's own step (its pieces timed within a second of each other, at one speed of
+    a shared machine), the median share over rounds, of ``at_one_speed``'s step (the fastest). A
+    difference of the fastest passes instead mixes passes made at different speeds: on a busy machine it
+    came out 0 as often as not."""
     shares = sorted(rest / step for rest, step, _ in (_rest(*_rates_args(r)) for r in per_round))
-    _, step, acts = _rest(*_rates_args(fastest))
+    _, step, acts = _rest(*_rates_args(at_one_speed))
     return max(0.0, shares[len(shares) // 2]) * step / acts
 
 
