@@ -174,6 +174,7 @@ def test_shapes_and_pairings_a_grid_cannot_split_fail_with_one_sentence(world, a
 def test_nd_trainer_keeps_collective_tensors_on_the_device(rank_pool, tmp_path, corpus_cache):
     """One 2D step under the emulated accelerator: the grid's, the loss's and the tokens' collectives
     (grid groups, the tp partition, the token count) get no host tensor."""
-    args = trainer_args(tmp_path, corpus_cache, "2d-device", ["--parallel.tp=4", *ND["2d"], "--data.micro_batch_size=4"])
+    args = trainer_args(tmp_path, corpus_cache, "2d-device",
+                        ["--parallel.tp=4", *ND["2d"], "--data.micro_batch_size=4"])
     results = rank_pool.run(emulated_trainer, 4, args=args)
     assert all(r["groups"] == {"cpu:0"} for r in results) and "tp=4" in results[0]["layout"]

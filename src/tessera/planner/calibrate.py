@@ -9,6 +9,7 @@ t(S) = 2(n−1)·α + 2(n−1)/n·S/β by least squares. About twenty seconds on
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -179,9 +180,9 @@ def elementwise_from_rounds(at_one_speed: dict, per_round: list[dict]) -> float:
     a shared machine), the median share over rounds, of ``at_one_speed``'s step (the fastest). A
     difference of the fastest passes instead mixes passes made at different speeds: on a busy machine it
     came out 0 as often as not."""
-    shares = sorted(rest / step for rest, step, _ in (_rest(*_rates_args(r)) for r in per_round))
+    share = statistics.median_high(rest / step for rest, step, _ in (_rest(*_rates_args(r)) for r in per_round))
     _, step, acts = _rest(*_rates_args(at_one_speed))
-    return max(0.0, shares[len(shares) // 2]) * step / acts
+    return max(0.0, share) * step / acts
 
 
 def calibrate(world: int = 2) -> dict:

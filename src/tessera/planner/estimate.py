@@ -205,7 +205,7 @@ def _calibrated_compute_s(spec, layout, gpu, global_batch: int, seq: int, precis
     calls = rerun * gpu.layer_call_s * layout.microbatches(global_batch) * (spec.layers / layout.pp + 1)
     attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
     matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
-    if gpu.attention_row_s:  # its per-row cost, re-run with the forward as its FLOPs are
+    if gpu.attention_row_s and attention:  # its per-row cost, re-run with the forward as its FLOPs are
         matmul_s += (gpu.attention_row_s * tokens * spec.heads * spec.layers
                      * attention / attention_flops(spec, tokens, seq))
     if precision == "mixed" and gpu.half_flops:  # every product in bf16: both rates scale alike
@@ -218,10 +218,10 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     """(seconds by part, total seconds) of one optimizer step.
 
     Compute: matmul FLOPs at peak × efficiency (attention's score and value matmuls at ``attention_flops``
-    plus ``attention_row_s`` per token, head and layer where calibrated), plus the non-matmul kernels at ``elementwise_s_per_byte`` per byte of activations
-    saved and ``layer_call_s`` per layer and micro-batch (both 0 for catalogue GPUs, where the efficiency
-    covers them; calibrated on CPU, where norms, SwiGLU, softmax and residual adds take a third of a step,
-    a TP rank still runs the replicated ones in full, and every rank pays each kernel's dispatch however
+    plus ``attention_row_s`` per token, head and layer where calibrated), plus the non-matmul kernels at
+    ``elementwise_s_per_byte`` per byte of activations saved and ``layer_call_s`` per layer and
+    micro-batch (both 0 for catalogue GPUs, where the efficiency covers them; calibrated on CPU, where
+    norms, SwiGLU, softmax and residual adds take a third of a step, a TP rank still runs the replicated ones in full, and every rank pays each kernel's dispatch however
     few tokens or how narrow a slice it computes). Every blocking collective on the critical path costs
     its α–β time plus ``collective_sync_s`` (the exposed start-up of a collective issued between compute
     segments). A catalogue GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's

@@ -17,6 +17,7 @@ slow it.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Callable
 
@@ -181,12 +182,14 @@ def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
     the fastest step's speed, each round's own), each a dict of ``peak_flops`` (layer matmuls),
     ``attention_rate`` and ``attention_row_s`` (:func:`attention_fit`), ``step_flops_alone`` (a whole
     training step), ``layer_call_s`` (one micro-batch's fixed cost per layer: the accumulated pass's
-    extra seconds over its extra layer passes) and ``hbm_bytes_per_s`` (the optimizer update). The first: each piece's seconds as the median over rounds
-    of its share of the round's step, times the fastest step, so that every piece is taken at one speed."""
+    extra seconds over its extra layer passes) and ``hbm_bytes_per_s`` (the optimizer update). The first:
+    each piece's seconds as the median over rounds of its share of the round's step, times the fastest
+    step, so that every piece is taken at one speed."""
     preset, rows, seq = REFERENCE
     with one_thread():
         pieces = {"matmuls": layer_matmuls(), **{f"attention_{s}": attention(b, s) for b, s in ATTENTION_LENGTHS},
-                  "step": training_step(preset, rows, seq), "one": accumulated_passes(1), "split": accumulated_passes(SPLITS), "update": update(preset)}
+                  "step": training_step(preset, rows, seq), "one": accumulated_passes(1),
+                  "split": accumulated_passes(SPLITS), "update": update(preset)}
         times = timed_rounds({name: run for name, (run, _) in pieces.items()}, seconds, min_rounds)
     work = {name: w for name, (_, w) in pieces.items()}
     rounds = [{name: times[name][r] for name in times} for r in range(len(times["step"]))]
@@ -194,14 +197,12 @@ def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
         t["calls"] = max(0.0, t.pop("split") - t.pop("one"))
 
     def of(t: dict) -> dict:
-        attention_rate, attention_row_s = attention_fit([(b, s, t[f"attention_{s}"]) for b, s in ATTENTION_LENGTHS])
+        passes = [(b, s, t[f"attention_{s}"]) for b, s in ATTENTION_LENGTHS]
+        attention_rate, attention_row_s = attention_fit(passes)
         return {"peak_flops": work["matmuls"] / t["matmuls"], "attention_rate": attention_rate,
                 "attention_row_s": attention_row_s, "step_flops_alone": work["step"] / t["step"],
                 "layer_call_s": t["calls"] / work["split"], "hbm_bytes_per_s": work["update"] / t["update"]}
 
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
     step = min(t["step"] for t in rounds)
-    at_one_speed = {name: step * median([t[name] / t["step"] for t in rounds]) for name in rounds[0]}
+    at_one_speed = {name: step * statistics.median_high([t[name] / t["step"] for t in rounds]) for name in rounds[0]}
     return of(at_one_speed), [of(t) for t in rounds]
