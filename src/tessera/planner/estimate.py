@@ -221,10 +221,10 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     plus ``attention_row_s`` per token, head and layer where calibrated), plus the non-matmul kernels at
     ``elementwise_s_per_byte`` per byte of activations saved and ``layer_call_s`` per layer and
     micro-batch (both 0 for catalogue GPUs, where the efficiency covers them; calibrated on CPU, where
-    norms, SwiGLU, softmax and residual adds take a third of a step, a TP rank still runs the replicated ones in full, and every rank pays each kernel's dispatch however
-    few tokens or how narrow a slice it computes). Every blocking collective on the critical path costs
-    its α–β time plus ``collective_sync_s`` (the exposed start-up of a collective issued between compute
-    segments). A catalogue GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's
+    norms, SwiGLU, softmax and residual adds take a third of a step, a TP rank still runs the replicated
+    ones in full, and every rank pays each kernel's dispatch however few tokens or how narrow a slice it
+    computes). Every blocking collective on the critical path costs its α–β time plus
+    ``collective_sync_s`` (the exposed start-up of a collective issued between compute segments). A catalogue GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's
     compute kernel by kind instead (``tessera.planner.gpu_kernels``; ``software`` says what the training
     code does: tessera's by default)."""
     elem = ELEM_BYTES[precision]
