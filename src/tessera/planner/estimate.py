@@ -224,9 +224,10 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     norms, SwiGLU, softmax and residual adds take a third of a step, a TP rank still runs the replicated
     ones in full, and every rank pays each kernel's dispatch however few tokens or how narrow a slice it
     computes). Every blocking collective on the critical path costs its α–β time plus
-    ``collective_sync_s`` (the exposed start-up of a collective issued between compute segments). A catalogue GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's
-    compute kernel by kind instead (``tessera.planner.gpu_kernels``; ``software`` says what the training
-    code does: tessera's by default)."""
+    ``collective_sync_s`` (the exposed start-up of a collective issued between compute segments). A catalogue
+    GPU with a kernel model (``gpu.hbm_efficiency`` > 0) times the busiest stage's compute kernel by kind
+    instead (``tessera.planner.gpu_kernels``; ``software`` says what the training code does: tessera's by
+    default)."""
     elem = ELEM_BYTES[precision]
     links = cm.axis_links(gpu, layout)
     sync = gpu.collective_sync_s
