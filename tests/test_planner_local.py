@@ -7,7 +7,8 @@ import pytest
 from tessera.models.config import model_config
 from tessera.planner import Layout, estimate, from_model_config, inflight_microbatches
 from tessera.planner.calibrate import REFERENCE, elementwise_seconds_per_byte
-from tessera.planner.estimate import activation_bytes_per_step, comm_bytes
+from tessera.planner.cpu_compute import activation_bytes_per_step
+from tessera.planner.estimate import comm_bytes
 from tessera.planner.flops import model_flops
 from tessera.planner.local import local_gpu
 from tessera.pipeline.schedules import build_compute

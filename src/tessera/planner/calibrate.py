@@ -140,7 +140,7 @@ def _rest(step_flops_alone: float, matmul_flops: float, hbm_bytes_per_s: float, 
     optimizer update, may be negative; the step's seconds; the activation bytes it saves)."""
     from tessera.models import model_config
     from tessera.planner.catalog import from_model_config
-    from tessera.planner.estimate import activation_bytes_per_step
+    from tessera.planner.cpu_compute import activation_bytes_per_step
     from tessera.planner.flops import attention_flops as attention, model_flops
     from tessera.planner.layout import Layout
     from tessera.planner.memory import model_state_bytes
@@ -161,7 +161,7 @@ def elementwise_seconds_per_byte(step_flops_alone: float, matmul_flops: float, h
                                  layer_call_s: float = 0.0, attention_rate: float = 0.0,
                                  attention_row_s: float = 0.0) -> float:
     """Seconds the reference step spends outside its matmuls and the optimizer's memory-bound update,
-    per byte of activations it saves (planner.estimate.activation_bytes_per_step): the non-matmul
+    per byte of activations it saves (planner.cpu_compute.activation_bytes_per_step): the non-matmul
     kernels (norms, RoPE, SwiGLU, softmax, residual adds, the loss) write and read back about what they
     save, so the time model charges them by those bytes."""
     rest, _, acts = _rest(step_flops_alone, matmul_flops, hbm_bytes_per_s, layer_call_s, attention_rate,
@@ -193,10 +193,11 @@ def calibrate(world: int = 2) -> dict:
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
     the reference layer's causal attention, forward and backward) and ``attention_row_s`` (its cost per
-    token and head beyond those FLOPs: reference_step.attention_fit), ``hbm_bytes_per_s`` (the optimizer
-    update's bytes per second, reference_step.update), ``collective_sync_s``
-    (what an all-reduce between compute segments costs beyond its α–β time) and ``layer_call_s`` (a
-    layer's fixed cost per micro-batch)."""
+    token and head beyond those FLOPs: reference_step.attention_fit), ``ring_forward_s`` and
+    ``ring_backward_s`` (ring attention's seconds per score beyond its FLOPs: reference_step.ring_rates),
+    ``hbm_bytes_per_s`` (the optimizer update's bytes per second, reference_step.update),
+    ``collective_sync_s`` (what an all-reduce between compute segments costs beyond its α–β time) and
+    ``layer_call_s`` (a layer's fixed cost per micro-batch)."""
     from tessera.planner.comm_model import Link, all_reduce_s
 
     start = time.perf_counter()
@@ -211,6 +212,7 @@ def calibrate(world: int = 2) -> dict:
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
             "elementwise_s_per_byte": elementwise_from_rounds(single, per_round),
             "layer_call_s": calls, "attention_rate": attn, "attention_row_s": single["attention_row_s"],
+            "ring_forward_s": single["ring_forward_s"], "ring_backward_s": single["ring_backward_s"],
             "ranks": world, "cores": os.cpu_count() or 1,
             "allreduce_samples": [{"bytes": s, "seconds": t} for s, t in rows],
             "seconds_taken": time.perf_counter() - start}

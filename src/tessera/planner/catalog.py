@@ -58,6 +58,13 @@ class GpuSpec:
     # same whatever the sequence, so short sequences run attention at a lower FLOP rate (on one CPU
     # thread, 64 tokens at ~24 GFLOP/s and 512 at ~43); 0: FLOPs only
     attention_row_s: float = 0.0
+    # ring attention (cp > 1): seconds per query-key score of its blockwise kernels, forward and backward,
+    # beyond their matmul FLOPs (4e and 10e per score) at attention_flops. Where calibrated, a cp layout's
+    # attention is charged by the scores each rank computes instead of as one fused SDPA: the blocks
+    # materialize their float32 scores and run softmax, masking and the online merge over them (on one CPU
+    # thread about twice the fused kernel's time); 0: as SDPA
+    ring_forward_s: float = 0.0
+    ring_backward_s: float = 0.0
     # FLOP/s of bf16 matmuls where they differ from peak_flops (a calibrated CPU, whose peak_flops is its
     # fp32 rate: without bf16 instructions bf16 runs tens of times slower); 0: mixed precision at peak_flops
     half_flops: float = 0.0

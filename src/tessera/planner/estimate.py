@@ -14,18 +14,16 @@ backward still computes input gradients through them (``tessera.planner.flops.mo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from tessera.planner import comm_model as cm
-from tessera.planner.flops import attention_flops, bubble_fraction, model_flops, recompute_flops
+from tessera.planner.cpu_compute import calibrated_compute_s
+from tessera.planner.flops import bubble_fraction, model_flops, recompute_flops
 from tessera.planner.gpu_kernels import TESSERA, Software, stage_time, zero3_exposed
-from tessera.planner.memory import (DISK_STAGING_BYTES, activation_bytes_per_layer, embedding_bytes,
-                                    llama_activation_bytes_per_layer, logits_bytes, model_state_bytes,
-                                    offload_kind, stage_inflight)
+from tessera.planner.memory import (DISK_STAGING_BYTES, ELEM_BYTES, embedding_bytes, layer_activation_bytes,
+                                    logits_bytes, model_state_bytes, offload_kind, stage_inflight)
 
-ELEM_BYTES = {"mixed": 2, "fp32": 4}
 BUCKET_BYTES = 25 * 2**20  # data-parallel gradient buckets (DDP, ZeRO-1/2) of tessera and PyTorch
 
 
@@ -69,22 +67,6 @@ def _stage_split(spec, layout, first: bool, last: bool) -> tuple[tuple[float, fl
     per_stage = spec.layers / layout.pp
     a_dense, a_expert = spec.adapter_layer_params(layout.tp)
     return (per_stage * a_dense, dense), (per_stage * a_expert / layout.ep, expert)
-
-
-def _layer_activations(spec, layout, seq_local: int, elem: int) -> float:
-    kw = dict(tp=layout.tp, sequence_parallel=layout.sp, recompute=layout.recompute)
-    if spec.arch == "gpt":
-        return activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads, **kw) * elem / 2
-    dense = llama_activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads,
-                                             spec.kv_heads, spec.ffn, elem_bytes=elem, **kw)
-    if spec.experts == 1 or layout.recompute == "full":
-        return dense
-    # an MoE layer's FFN, per token: each of its k expert rows keeps the gathered input row, the SwiGLU's
-    # four f-wide tensors and the returned output row (weighted by its gate), instead of the dense 4f;
-    # the router keeps fp32 logits, probabilities and log-sum-exp inputs (3E)
-    tokens = seq_local * layout.micro_batch
-    moe = elem * spec.top_k * (4 * spec.ffn + 2 * spec.hidden) + 4 * 3 * spec.experts
-    return dense + spec.moe_fraction * tokens * (moe - elem * 4 * spec.ffn) / layout.tp
 
 
 def _model_states(n: tuple[float, float], layout, shard: int, precision: str, optimizer: str) -> dict:
@@ -133,7 +115,7 @@ def stage_memory(spec, layout, global_batch: int, seq: int, precision: str, opti
     seq_local = seq // layout.cp
     inflight = stage_inflight(stage, layout.schedule, layout.pp, layout.microbatches(global_batch),
                               layout.virtual_stages)
-    acts = _layer_activations(spec, layout, seq_local, elem) * spec.layers / layout.pp * inflight
+    acts = layer_activation_bytes(spec, layout, seq_local, elem) * spec.layers / layout.pp * inflight
     if first:
         acts += inflight * embedding_bytes(seq_local, layout.micro_batch, spec.hidden, tp=layout.tp,
                                            sequence_parallel=layout.sp, dropout=spec.arch == "gpt")
@@ -180,45 +162,13 @@ def memory_per_rank(spec, layout, global_batch: int, seq: int, precision: str = 
                key=lambda pair: pair[0]["total"])
 
 
-def activation_bytes_per_step(spec, layout, global_batch: int, seq: int, precision: str = "mixed") -> float:
-    """Bytes one rank's layers save for backward over a whole step (every micro-batch, not the in-flight
-    peak), without recomputation: what its non-matmul kernels write and read back, as the time model's
-    elementwise term (recomputation saves memory, not these kernels: see ``step_time``)."""
-    elem = ELEM_BYTES[precision]
-    layout = dataclasses.replace(layout, recompute="none")
-    seq_local = seq // layout.cp
-    per_mb = _layer_activations(spec, layout, seq_local, elem) * spec.layers / layout.pp
-    per_mb += logits_bytes(seq_local, layout.micro_batch, spec.hidden, spec.vocab, tp=layout.tp,
-                           elem_bytes=elem) / layout.pp
-    return layout.microbatches(global_batch) * per_mb
-
-
-def _calibrated_compute_s(spec, layout, gpu, global_batch: int, seq: int, precision: str) -> float:
-    """A rank's compute seconds per step on a calibrated machine (see :func:`step_time`)."""
-    tokens = global_batch * seq
-    flops = model_flops(spec, tokens, seq) + recompute_flops(spec, tokens, seq, layout.recompute)
-    # full recomputation runs every layer's forward kernels again: a third more, as for the matmuls
-    rerun = 4.0 / 3.0 if layout.recompute == "full" else 1.0
-    elementwise = rerun * gpu.elementwise_s_per_byte * activation_bytes_per_step(spec, layout, global_batch, seq,
-                                                                                 precision)
-    # + 1: the embedding, or the head and loss
-    calls = rerun * gpu.layer_call_s * layout.microbatches(global_batch) * (spec.layers / layout.pp + 1)
-    attention = attention_flops(spec, tokens, seq, layout.recompute)  # at its own rate where calibrated
-    matmul_s = (flops - attention) / gpu.peak_flops + attention / (gpu.attention_flops or gpu.peak_flops)
-    if gpu.attention_row_s and attention:  # its per-row cost, re-run with the forward as its FLOPs are
-        matmul_s += (gpu.attention_row_s * tokens * spec.heads * spec.layers
-                     * attention / attention_flops(spec, tokens, seq))
-    if precision == "mixed" and gpu.half_flops:  # every product in bf16: both rates scale alike
-        matmul_s *= gpu.peak_flops / gpu.half_flops
-    return (matmul_s / layout.world + elementwise + calls) / gpu.compute_efficiency
-
-
 def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "mixed",
               optimizer: str = "adam", software: Software = TESSERA) -> tuple[dict, float]:
     """(seconds by part, total seconds) of one optimizer step.
 
     Compute: matmul FLOPs at peak × efficiency (attention's score and value matmuls at ``attention_flops``
-    plus ``attention_row_s`` per token, head and layer where calibrated), plus the non-matmul kernels at
+    plus ``attention_row_s`` per token, head and layer where calibrated; ring attention by the scores each
+    rank computes, where ``ring_forward_s`` is calibrated), plus the non-matmul kernels at
     ``elementwise_s_per_byte`` per byte of activations saved and ``layer_call_s`` per layer and
     micro-batch (both 0 for catalogue GPUs, where the efficiency covers them; calibrated on CPU, where
     norms, SwiGLU, softmax and residual adds take a third of a step, a TP rank still runs the replicated
@@ -237,7 +187,7 @@ def step_time(spec, layout, gpu, global_batch: int, seq: int, precision: str = "
     if gpu.hbm_efficiency:  # GPU kernel model; the busiest stage is the last (it holds the output layer and loss)
         compute = m * stage_time(spec, layout, gpu, seq, elem, software).total
     else:
-        compute = _calibrated_compute_s(spec, layout, gpu, global_batch, seq, precision)
+        compute = calibrated_compute_s(spec, layout, gpu, global_batch, seq, precision)
     act_bytes = layout.micro_batch * seq_local * spec.hidden * elem
     tp = _tensor_parallel_s(layout, links["tp"], sync, m, layers_here, seq_local, act_bytes)
     if layout.tp > 1:  # LoRA: each backward all-reduces the gradient of each adapter factor tp keeps whole

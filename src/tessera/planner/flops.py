@@ -67,3 +67,11 @@ def recompute_flops(spec, tokens: float, seq: int, recompute: str) -> float:
         return tokens * attention_fwd
     layer_matmuls = spec.matmul_params_per_token() - spec.vocab * spec.hidden
     return tokens * (2.0 * layer_matmuls + attention_fwd)
+
+
+def ring_scores(rows: int, heads: int, seq: int, cp: int) -> float:
+    """Query-key scores one cp rank's ring attention computes per layer, forward (the backward recomputes
+    as many): with L = seq/cp local tokens, the first step's whole L × L block (masked, not skipped) and
+    cp − 1 half blocks of L × L/2 (tessera.context_parallel.ring_attention's zig-zag regions)."""
+    local = seq // cp
+    return rows * heads * local * local * (cp + 1) / 2.0

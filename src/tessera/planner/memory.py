@@ -13,6 +13,7 @@ length s, micro-batch b, hidden h, heads a and tensor-parallel degree t.
 
 from __future__ import annotations
 
+ELEM_BYTES = {"mixed": 2, "fp32": 4}  # bytes of one activation element by precision
 # Optimizer-state bytes per parameter (beyond the parameters and gradients themselves).
 _OPTIMIZER_K = {
     ("mixed", "adam"): 12,  # fp32 master copy + fp32 momentum + fp32 variance
@@ -166,3 +167,21 @@ def embedding_bytes(seq: int, micro_batch: int, hidden: int, *, tp: int = 1, seq
     if not dropout:
         return 0.0
     return seq * micro_batch * hidden / (tp if sequence_parallel else 1)
+
+
+def layer_activation_bytes(spec, layout, seq_local: int, elem: int) -> float:
+    """Bytes one transformer layer of ``spec`` saves for backward on one micro-batch of ``seq_local``
+    tokens per sequence under ``layout`` (tensor/sequence parallelism, recomputation, MoE FFNs)."""
+    kw = dict(tp=layout.tp, sequence_parallel=layout.sp, recompute=layout.recompute)
+    if spec.arch == "gpt":
+        return activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads, **kw) * elem / 2
+    dense = llama_activation_bytes_per_layer(seq_local, layout.micro_batch, spec.hidden, spec.heads,
+                                             spec.kv_heads, spec.ffn, elem_bytes=elem, **kw)
+    if spec.experts == 1 or layout.recompute == "full":
+        return dense
+    # an MoE layer's FFN, per token: each of its k expert rows keeps the gathered input row, the SwiGLU's
+    # four f-wide tensors and the returned output row (weighted by its gate), instead of the dense 4f;
+    # the router keeps fp32 logits, probabilities and log-sum-exp inputs (3E)
+    tokens = seq_local * layout.micro_batch
+    moe = elem * spec.top_k * (4 * spec.ffn + 2 * spec.hidden) + 4 * 3 * spec.experts
+    return dense + spec.moe_fraction * tokens * (moe - elem * 4 * spec.ffn) / layout.tp

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from tessera.planner.flops import ring_scores
+
 # the reference step: tessera's `small` preset, 4 sequences of 128 tokens; its matmuls are [512, 256] by
 # [256, n] for n = 256 (wq, wo, head), 128 (wk, wv), 688 (w1, w3) and the [512, 688] by [688, 256] of w2
 REFERENCE = ("small", 4, 128)
@@ -116,6 +118,49 @@ def attention_fit(passes: list[tuple[int, int, float]]) -> tuple[float, float]:
     return sum(a * a for a in x) / sum(a * b for a, b in zip(x, y)), 0.0
 
 
+RING = (4, 128, 2)  # (sequences, tokens each, cp) of the ring-attention passes: the reference step's batch on cp = 2
+
+
+def ring_attention_blocks(rows: int = RING[0], seq: int = RING[1], cp: int = RING[2]):
+    """One cp rank's ring-attention kernels for the reference layer, without the ring: the blockwise
+    forward and backward (tessera.context_parallel.blockwise) of every step's block, in float32 as they
+    run. Returns ((forward run, backward run), scores per pass, head dim). They materialize each block's
+    scores and run softmax, masking and the online merge as separate kernels over them: per score about
+    twice a fused SDPA's time on one CPU thread, whatever the FLOPs."""
+    import math
+
+    from tessera.context_parallel.blockwise import block_backward, block_forward
+    from tessera.models import model_config
+
+    cfg = model_config(REFERENCE[0])
+    e, local = cfg.head_dim, seq // cp
+    q, dout = (torch.randn(rows, cfg.n_heads, local, e) for _ in range(2))
+    k, v = (torch.randn(rows, cfg.n_kv_heads, local, e) for _ in range(2))
+    scale = 1.0 / math.sqrt(e)
+    late = slice(local // 2, None)  # the half block: the late query chunk against all keys (src > rank)
+    blocks = [(slice(None), True)] + [(late, False)] * (cp - 1)
+    out, lse = block_forward(q, k, v, scale, True)
+    delta = (dout * out).sum(-1)
+
+    def forward():
+        for qs, causal in blocks:
+            block_forward(q[:, :, qs], k, v, scale, causal)
+
+    def backward():
+        for qs, causal in blocks:
+            block_backward(q[:, :, qs], k, v, dout[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal)
+
+    return (forward, backward), ring_scores(rows, cfg.n_heads, seq, cp), e
+
+
+def ring_rates(forward_s: float, backward_s: float, scores: float, head_dim: int,
+               attention_rate: float) -> tuple[float, float]:
+    """(forward, backward) seconds per score beyond the blocks' matmul FLOPs at ``attention_rate``: 4e
+    per score forward (q·kᵀ, p·v), 10e backward (q·kᵀ again, dv, dp, dq, dk); never below 0."""
+    return (max(0.0, forward_s / scores - 4.0 * head_dim / attention_rate),
+            max(0.0, backward_s / scores - 10.0 * head_dim / attention_rate))
+
+
 def _model(preset: str):
     from tessera.models import Transformer, model_config
 
@@ -180,14 +225,17 @@ def update(preset: str = "small"):
 def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
     """The single-thread rates of the reference step, every piece timed in the same rounds: (the rates at
     the fastest step's speed, each round's own), each a dict of ``peak_flops`` (layer matmuls),
-    ``attention_rate`` and ``attention_row_s`` (:func:`attention_fit`), ``step_flops_alone`` (a whole
+    ``attention_rate`` and ``attention_row_s`` (:func:`attention_fit`), ``ring_forward_s`` and
+    ``ring_backward_s`` (:func:`ring_rates` of :func:`ring_attention_blocks`), ``step_flops_alone`` (a whole
     training step), ``layer_call_s`` (one micro-batch's fixed cost per layer: the accumulated pass's
     extra seconds over its extra layer passes) and ``hbm_bytes_per_s`` (the optimizer update). The first:
     each piece's seconds as the median over rounds of its share of the round's step, times the fastest
     step, so that every piece is taken at one speed."""
     preset, rows, seq = REFERENCE
     with one_thread():
+        (ring_fwd, ring_bwd), scores, head_dim = ring_attention_blocks()
         pieces = {"matmuls": layer_matmuls(), **{f"attention_{s}": attention(b, s) for b, s in ATTENTION_LENGTHS},
+                  "ring_forward": (ring_fwd, scores), "ring_backward": (ring_bwd, scores),
                   "step": training_step(preset, rows, seq), "one": accumulated_passes(1),
                   "split": accumulated_passes(SPLITS), "update": update(preset)}
         times = timed_rounds({name: run for name, (run, _) in pieces.items()}, seconds, min_rounds)
@@ -199,8 +247,10 @@ def rates(seconds: float = 5.0, min_rounds: int = 6) -> tuple[dict, list[dict]]:
     def of(t: dict) -> dict:
         passes = [(b, s, t[f"attention_{s}"]) for b, s in ATTENTION_LENGTHS]
         attention_rate, attention_row_s = attention_fit(passes)
+        ring = ring_rates(t["ring_forward"], t["ring_backward"], scores, head_dim, attention_rate)
         return {"peak_flops": work["matmuls"] / t["matmuls"], "attention_rate": attention_rate,
-                "attention_row_s": attention_row_s, "step_flops_alone": work["step"] / t["step"],
+                "attention_row_s": attention_row_s, "ring_forward_s": ring[0], "ring_backward_s": ring[1],
+                "step_flops_alone": work["step"] / t["step"],
                 "layer_call_s": t["calls"] / work["split"], "hbm_bytes_per_s": work["update"] / t["update"]}
 
     step = min(t["step"] for t in rounds)
