@@ -42,18 +42,22 @@ def build_ops() -> None:
         builder.load(verbose=False)
 
 
-def ds_config(stage: int, offload: bool, micro_batch: int, numel: int) -> dict:
+def ds_config(stage: int, offload: bool, micro_batch: int, numel: int, persistence: int | None = None) -> dict:
     """ZeRO-``stage`` in fp32 with clipping at 1.0. ``offload`` moves the fp32 partitions and the optimizer
     state to host memory (``offload_optimizer``) and, for stage 3, the parameter partitions too
     (``offload_param``); the optimizer stays the caller's torch AdamW, not DeepSpeedCPUAdam
     (``zero_force_ds_cpu_optimizer: false``), as tessera's ``zero.offload`` and FSDP2's CPU offload do.
     Bucket sizes are tessera's cap, and like tessera's buckets never larger than the model's ``numel``
-    parameters (DeepSpeed allocates its reduce bucket at full size); every other ZeRO setting is DeepSpeed's
-    default."""
+    parameters (DeepSpeed allocates its reduce bucket at full size). ``persistence`` (stage 3): parameters
+    below this many elements stay whole on every rank (``stage3_param_persistence_threshold``; None: its
+    default, 1e5; 0: every parameter sharded, as tessera's ZeRO-3 and FSDP2 shard them); every other ZeRO
+    setting is DeepSpeed's default."""
     bucket = min(BUCKET_ELEMENTS, numel)
     zero: dict = {"stage": stage, "reduce_bucket_size": bucket}
     if stage < 3:
         zero["allgather_bucket_size"] = bucket
+    elif persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         if stage == 3:
@@ -74,7 +78,7 @@ def ds_config(stage: int, offload: bool, micro_batch: int, numel: int) -> dict:
 
 def build_engine(model: torch.nn.Module, param_groups: list[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], stage: int, offload: bool,
-                 micro_batch: int):
+                 micro_batch: int, persistence: int | None = None):
     """DeepSpeed's engine over the already-initialised default process group; the optimizer is
     ``make_optimizer(param_groups)`` (DeepSpeed swaps each group's parameters for its fp32 partitions and
     keeps the group's arguments, weight decay included)."""
@@ -90,7 +94,7 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict],
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     numel = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(param_groups),
-                                      config=ds_config(stage, offload, micro_batch, numel))
+                                      config=ds_config(stage, offload, micro_batch, numel, persistence))
     return engine
 
 

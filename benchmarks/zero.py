@@ -50,12 +50,16 @@ from tessera.zero.build import shard_model  # noqa: E402
 
 DOC = DOCS / "BENCHMARKS.md"
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload",
-            "ds1", "ds2", "ds3", "ds3_offload")
+            "ds1", "ds2", "ds3", "ds3_offload", "ds3_default")
+# DeepSpeed ZeRO-3 variants that shard every parameter, as tessera's ZeRO-3 and FSDP2 do (equal model state);
+# ds3_default keeps DeepSpeed's persistence threshold: parameters below 1e5 elements whole on every rank
+DS_SHARD_ALL = ("ds3", "ds3_offload")
 # Each tessera (and FSDP2) variant's DeepSpeed counterpart: the same ZeRO stage, offloading alike.
 DS_PEER = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3", "zero3_offload": "ds3_offload",
            "fsdp2": "ds3", "fsdp2_offload": "ds3_offload"}
 # FSDP2 is ZeRO-3: only the ZeRO-3 rows (tessera's and DeepSpeed's) are compared with it, offloading alike.
-FSDP_PEER = {"zero3": "fsdp2", "zero3_offload": "fsdp2_offload", "ds3": "fsdp2", "ds3_offload": "fsdp2_offload"}
+FSDP_PEER = {"zero3": "fsdp2", "zero3_offload": "fsdp2_offload", "ds3": "fsdp2", "ds3_offload": "fsdp2_offload",
+             "ds3_default": "fsdp2"}
 LOSS_RTOL = 1e-5  # first-batch losses of one model from one seed agree to fp32 summation-order noise
 # after one AdamW update (whose first step moves every weight by about lr) the losses still agree closely;
 # an optimizer configured differently (lr, decay, clipping) moves them by far more than this
@@ -96,7 +100,7 @@ class Variant:
                                      block_class=TransformerBlock)
         elif kind.startswith("ds"):
             self.model = _deepspeed.build_engine(core, _groups(core.parameters()), _adamw, int(kind[2]),
-                                                 offload, micro_batch)
+                                                 offload, micro_batch, 0 if kind in DS_SHARD_ALL else None)
         else:
             self.model = self._fsdp2(core, topo, offload)
             self.opt = _adamw(_groups(self.model.parameters()))
@@ -330,7 +334,12 @@ def write_doc(rows: list[str], args, params: int, note: str) -> None:
         "per-round ratios with their min–max. ÷ DeepSpeed compares with the same ZeRO stage "
         "(zero1↔ds1, zero2↔ds2, zero3↔ds3, zero3_offload↔ds3_offload; FSDP2 with ds3 and its offload "
         "with ds3_offload). FSDP2 is ZeRO-3, so ÷ FSDP2 is given for the ZeRO-3 rows only (zero3 and ds3 "
-        "÷ fsdp2, zero3_offload and ds3_offload ÷ fsdp2_offload) and is — elsewhere. DeepSpeed runs its engine "
+        "÷ fsdp2, zero3_offload and ds3_offload ÷ fsdp2_offload) and is — elsewhere. ds3 and ds3_offload shard "
+        "every parameter (`stage3_param_persistence_threshold: 0`), as tessera's ZeRO-3 and FSDP2 do: the same "
+        "model state, the like-for-like peer; ds3_default keeps DeepSpeed's threshold of 1e5 elements, below "
+        "which a parameter stays whole on every rank (at this model's width every attention matrix and norm: "
+        "fewer, smaller gathers for more model state, see its model-state column), shown for reference. "
+        "DeepSpeed runs its engine "
         "in fp32 with the same torch AdamW passed as its optimizer (also under offload: "
         "`zero_force_ds_cpu_optimizer: false`, not DeepSpeedCPUAdam, like tessera's `zero.offload` and "
         "FSDP2's CPU offload, which step torch AdamW on the host), `gradient_clipping: 1.0`, "
@@ -338,9 +347,8 @@ def write_doc(rows: list[str], args, params: int, note: str) -> None:
         "bucket cap, capped at the model's size as tessera's buckets are (DeepSpeed allocates its reduce "
         "bucket at full size; its 5e8-element default would be 2 GB); everything else at DeepSpeed's "
         "defaults (contiguous_gradients and reduce_scatter on; overlap_comm on for ZeRO-3 only; ZeRO-3: "
-        "stage3_prefetch_bucket_size 5e7, "
-        "stage3_param_persistence_threshold 1e5 (parameters below 1e5 elements stay whole on every rank), "
-        "stage3_max_live_parameters 1e9). ds3_offload sets `offload_optimizer` and `offload_param` to cpu.",
+        "stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9). ds3_offload sets "
+        "`offload_optimizer` and `offload_param` to cpu.",
         "",
         "Model state = the larger of two snapshots, after backward and after the update, taken in one "
         "untimed step after the rounds: parameters + gradients + optimizer state (fp32 masters included) "

@@ -31,6 +31,12 @@ def test_deepspeed_config_matches_tessera_settings():
     off = _deepspeed.ds_config(3, offload=True, micro_batch=1, numel=numel)["zero_optimization"]
     assert off["offload_optimizer"]["device"] == off["offload_param"]["device"] == "cpu"
     assert "offload_param" not in _deepspeed.ds_config(2, True, 1, numel)["zero_optimization"]
+    # the like-for-like ZeRO-3 peers shard every parameter; ds3_default keeps DeepSpeed's threshold
+    assert "stage3_param_persistence_threshold" not in off
+    shard_all = _deepspeed.ds_config(3, False, 1, numel, persistence=0)["zero_optimization"]
+    assert shard_all["stage3_param_persistence_threshold"] == 0
+    assert "stage3_param_persistence_threshold" not in _deepspeed.ds_config(2, False, 1, numel, 0)["zero_optimization"]
+    assert zero.DS_SHARD_ALL == ("ds3", "ds3_offload") and "ds3_default" in zero.VARIANTS
 
 
 def _results(scale: dict[str, float], rounds: int = 3) -> list[dict]:
@@ -107,15 +113,15 @@ def test_unlike_losses_stop_the_run():
 
 
 def ds_matches_tessera(rank, world_size):
-    """tiny preset, 2 steps: DeepSpeed ZeRO-3 and tessera ZeRO-3 have the same losses, and DeepSpeed's
-    model state as zero.py counts it."""
+    """tiny preset, 2 steps: DeepSpeed ZeRO-3 (every parameter sharded, and at its default persistence
+    threshold) and tessera ZeRO-3 have the same losses, and DeepSpeed's model state as zero.py counts it."""
     from tessera.topology import ParallelConfig, Topology
 
     topo = Topology.build(ParallelConfig(dp_replicate=1, dp_shard=world_size))
     try:
         x, y = zero.token_batch(rank, 2, 16)
         out = {}
-        for kind in ("zero3", "ds3"):
+        for kind in ("zero3", "ds3", "ds3_default"):
             v = zero.Variant(kind, "tiny", topo, micro_batch=2)
             out[kind] = [(v.step(x, y), v.loss)[1] for _ in range(2)]
             out[kind + "_state"] = v.measure_state(x, y)
@@ -132,8 +138,11 @@ def test_deepspeed_zero3_trains_like_tessera_zero3():
         results = pools.run(ds_matches_tessera, 2, timeout=300.0)
     for out, numel in results:
         assert out["ds3"] == pytest.approx(out["zero3"], rel=1e-5)
-        # tiny's parameters are all below DeepSpeed's persistence threshold (1e5), so each rank holds, in
-        # fp32: every parameter whole (Ψ) and its partition (Ψ/2), the gradient partition and the master
-        # (Ψ/2 each), both Adam moments (Ψ) and the reduce bucket (Ψ, capped at the model) = 4.5Ψ; without
-        # the moments or the bucket the count would be 3.5Ψ
-        assert out["ds3_state"] >= 4 * (4 * numel)
+        assert out["ds3_default"] == pytest.approx(out["zero3"], rel=1e-5)
+        # tiny's parameters are all below DeepSpeed's default persistence threshold (1e5), so each rank
+        # holds, in fp32: every parameter whole (Ψ) and its partition (Ψ/2), the gradient partition and the
+        # master (Ψ/2 each), both Adam moments (Ψ) and the reduce bucket (Ψ, capped at the model) = 4.5Ψ;
+        # without the moments or the bucket the count would be 3.5Ψ
+        assert out["ds3_default_state"] >= 4 * (4 * numel)
+        # sharding every parameter drops the whole copies (Ψ) again
+        assert out["ds3_state"] <= out["ds3_default_state"] - 0.9 * 4 * numel
