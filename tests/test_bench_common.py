@@ -4,6 +4,7 @@ its numbers (command, commit, machine, load) and how it states a ratio; and that
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import shutil
@@ -106,3 +107,17 @@ print(json.dumps(results))
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == len(scripts) >= 10
     assert {Path(k).name: v for k, v in results.items() if v != "ok"} == {}
+
+
+def test_no_benchmark_module_shadows_an_installed_one():
+    """The scripts put this folder first on ``sys.path`` (and ``python benchmarks/x.py`` does too), so a script
+    named like an installed top-level module replaces it for everything imported after: a ``kernels.py`` here
+    broke transformers, whose integrations import the Hugging Face ``kernels`` package."""
+    names = sorted(p.stem for p in BENCH.glob("*.py"))
+    outside = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+    taken = {}
+    for name in names:
+        spec = importlib.machinery.PathFinder.find_spec(name, outside)
+        if spec is not None or name in sys.builtin_module_names:
+            taken[name] = getattr(spec, "origin", "built in")
+    assert taken == {}

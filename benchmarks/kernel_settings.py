@@ -12,8 +12,8 @@ the median over rounds of (variant's median step ÷ the default's median step of
 range. ``compile`` (``kernels.compile = true``, inductor) compiles in the first step of every variant, the
 untimed one whose loss is checked before any round; that first step's time is reported separately.
 
-    python benchmarks/kernels.py                          # 7 rounds, writes docs/BENCHMARKS.md
-    python benchmarks/kernels.py --rounds 1 --steps 1 --no-write
+    python benchmarks/kernel_settings.py                  # 7 rounds, writes docs/BENCHMARKS.md
+    python benchmarks/kernel_settings.py --rounds 1 --steps 1 --no-write
 """
 
 from __future__ import annotations
