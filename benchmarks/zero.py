@@ -50,7 +50,12 @@ from tessera.zero.build import shard_model  # noqa: E402
 
 DOC = DOCS / "BENCHMARKS.md"
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload",
-            "ds1", "ds2", "ds3", "ds3_offload", "ds3_default")
+            "ds1", "ds2", "ds3", "ds3_offload", "ds3_default")  # the table's row order
+# The order the variants run in within a round (rotated by one each round): each tessera variant next to the
+# DeepSpeed and FSDP2 peers it is divided by, so that a round's ratio compares steps taken seconds apart
+# rather than a dozen variants apart (this machine's speed drifts within a round)
+RUN_ORDER = ("ddp", "zero1", "ds1", "zero2", "ds2", "zero3", "ds3", "fsdp2", "ds3_default", "zero3_offload",
+             "ds3_offload", "fsdp2_offload")
 # DeepSpeed ZeRO-3 variants that shard every parameter, as tessera's ZeRO-3 and FSDP2 do (equal model state);
 # ds3_default keeps DeepSpeed's persistence threshold: parameters below 1e5 elements whole on every rank
 DS_SHARD_ALL = ("ds3", "ds3_offload")
@@ -237,7 +242,8 @@ def bench_worker(rank, world_size, preset, batch, seq, rounds, steps, warmup):
             losses, refused = None, str(e)
         if any_rank(bool(refused)):
             return {"refused": refused or "another rank's losses differ from DDP's"}
-        times = interleaved_times({v.kind: partial(v.step, x, y) for v in variants}, rounds, warmup, steps)
+        by_kind = {v.kind: v for v in variants}
+        times = interleaved_times({k: partial(by_kind[k].step, x, y) for k in RUN_ORDER}, rounds, warmup, steps)
         state = {v.kind: v.measure_state(x, y) for v in variants}
         return {"times": times, "state": state, "losses": losses}
     finally:
@@ -328,7 +334,9 @@ def write_doc(rows: list[str], args, params: int, note: str) -> None:
         f"{provenance()} Model: `{args.preset}` preset ({params / 1e6:.2f}M parameters), fp32, torch AdamW "
         f"(lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices, 0.0 on vectors), clipping "
         f"at 1.0; per rank a batch of {args.batch}×{args.seq} tokens; {args.rounds} interleaved rounds of "
-        f"{args.warmup} warm-up + {args.steps} timed steps per variant. {note}",
+        f"{args.warmup} warm-up + {args.steps} timed steps per variant, in the order "
+        f"{', '.join(RUN_ORDER)} (each tessera variant next to its peers), rotated by one variant each round. "
+        f"{note}",
         "",
         "Step = median over rounds of the slowest rank's median step. Every ratio is the median of the "
         "per-round ratios with their min–max. ÷ DeepSpeed compares with the same ZeRO stage "

@@ -39,6 +39,15 @@ def test_deepspeed_config_matches_tessera_settings():
     assert zero.DS_SHARD_ALL == ("ds3", "ds3_offload") and "ds3_default" in zero.VARIANTS
 
 
+def test_each_variant_runs_next_to_its_deepspeed_peer():
+    """Every variant runs once a round, and each tessera variant right before its DeepSpeed peer, so a
+    round's ratio divides steps taken seconds apart."""
+    assert sorted(zero.RUN_ORDER) == sorted(zero.VARIANTS)
+    pos = {k: i for i, k in enumerate(zero.RUN_ORDER)}
+    assert all(pos[peer] == pos[k] + 1 for k, peer in zero.DS_PEER.items() if k.startswith("zero"))
+    assert all(abs(pos[peer] - pos[k]) <= 2 for k, peer in zero.FSDP_PEER.items())
+
+
 def _results(scale: dict[str, float], rounds: int = 3) -> list[dict]:
     """Two ranks' timings: variant k takes scale[k] × (1 + round) s on rank 0 and half that on rank 1;
     rank 1 holds more model state."""
