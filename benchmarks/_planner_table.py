@@ -90,7 +90,9 @@ def summary(rows: list[dict], calibration_shape: str, development: tuple = ()) -
 def calibration_line(c: dict) -> str:
     return (f"calibration: layer matmuls {c['peak_flops'] / 1e9:.1f} GFLOP/s per rank, reference step "
             f"{c['step_flops_alone'] / 1e9:.1f} GFLOP/s alone and {c['step_flops'] / 1e9:.1f} "
-            f"with both ranks busy, non-matmul kernels {c.get('elementwise_s_per_byte', 0) * 1e9:.2f} "
+            f"with both ranks busy" + (f" (× {c['shared_core_efficiency']:.3f}: a step's CPU time alone ÷ with both "
+                                      "ranks busy, the median of rounds that time both)" if "shared_core_efficiency" in c
+                                      else "") + f", non-matmul kernels {c.get('elementwise_s_per_byte', 0) * 1e9:.2f} "
             f"ns per activation byte and {c.get('layer_call_s', 0) * 1e3:.2f} ms per layer and "
             f"micro-batch, causal attention {c.get('attention_rate', 0) / 1e9:.1f} GFLOP/s + "
             f"{c.get('attention_row_s', 0) * 1e9:.0f} ns per token, head and layer, ring attention's blocks "

@@ -173,3 +173,41 @@ def test_calibration_times_the_optimizer_update_instead_of_assuming_a_bandwidth(
         rate = moved / fastest({"update": run}, 0.0, 3)["update"]
     # a measured AdamW step over 32 bytes per parameter: positive, finite, and not the default it replaces
     assert 1e7 < rate < 1e13 and rate != DEFAULT_LOCAL["hbm_bytes_per_s"]
+
+
+class _Clock:
+    """A thread clock that moves only when ``run`` is called, by the next of ``durations``."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.calls = 0.0, list(durations), 0
+
+    def thread_time(self):
+        return self.now
+
+    def run(self):
+        self.now += self.durations.pop(0)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shared_core_efficiency_pairs_each_together_step_with_an_alone_step_of_the_same_round(monkeypatch, rank):
+    """Each round times one step with every rank busy, then one alone; the median per-round ratio ignores
+    both the machine's drift between rounds (speeds ×0.5 to ×3) and one disturbed round."""
+    from tessera.planner import calibrate
+
+    speeds = [1.0, 1.0, 3.0, 1.0, 0.5, 1.0]
+    durations = [d for k in speeds for d in (1.25 * k, 1.0 * k)] + [2.5, 1.0]  # last round: a busy spell
+    clock, barriers = _Clock(durations), []
+    monkeypatch.setattr(calibrate, "time", clock)
+    got = calibrate.shared_core_efficiency(clock.run, rank, 2, lambda: barriers.append(1), rounds=7)
+    assert got == pytest.approx(0.8)
+    assert clock.calls == 14 and not clock.durations  # two steps a round on this rank: together, then alone
+    assert len(barriers) == 7 * 3 + 1  # before the together step and before each rank's turn, and at the end
+
+
+def test_calibrated_multi_rank_rate_is_the_one_process_rate_times_the_shared_core_efficiency():
+    gpu1 = local_gpu(1, {"peak_flops": 9e10, "step_flops_alone": 6e10, "step_flops": 4.5e10,
+                         "elementwise_s_per_byte": 1e-10})
+    gpu2 = local_gpu(2, {"peak_flops": 9e10, "step_flops_alone": 6e10, "step_flops": 4.5e10,
+                         "elementwise_s_per_byte": 1e-10, "cores": 2, "ranks": 2})
+    assert gpu1.compute_efficiency == 1.0 and gpu2.compute_efficiency == pytest.approx(0.75)

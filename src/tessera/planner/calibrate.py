@@ -58,8 +58,9 @@ def _interleaved_allreduce(dist, reps: int = 20, rounds: int = 11) -> float:
 
 
 def _allreduce_rank(store_path: str, reps: int):
-    """One calibration rank (a tessera.spawn entry); rank 0 returns (step FLOP/s per rank, interleaved
-    all-reduce seconds, [(bytes, seconds)] of back-to-back all-reduces)."""
+    """One calibration rank (a tessera.spawn entry); rank 0 returns (the ranks' mean
+    :func:`shared_core_efficiency`, interleaved all-reduce seconds, [(bytes, seconds)] of back-to-back
+    all-reduces)."""
     import torch.distributed as dist
 
     from tessera.spawn import process_rank
@@ -69,9 +70,11 @@ def _allreduce_rank(store_path: str, reps: int):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        dist.barrier()
-        step_rate = torch.tensor([training_step_flops()])  # every rank at once, as in a real run
-        dist.all_reduce(step_rate)
+        with one_thread():
+            run, _ = ref.training_step(*REFERENCE)
+            run()  # warm-up
+            efficiency = torch.tensor([shared_core_efficiency(run, rank, world, dist.barrier)])
+        dist.all_reduce(efficiency)
         interleaved = _interleaved_allreduce(dist)
         rows = []
         for size in SIZES:
@@ -84,7 +87,7 @@ def _allreduce_rank(store_path: str, reps: int):
                 dist.all_reduce(x)
                 times.append(time.perf_counter() - t0)
             rows.append((size, min(times)))  # the least disturbed run: the machine may be shared
-        return (float(step_rate) / world, interleaved, rows) if rank == 0 else None
+        return (float(efficiency) / world, interleaved, rows) if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -102,24 +105,42 @@ def fit_alpha_beta(rows, world: int) -> tuple[float, float]:
 
 
 def allreduce_alpha_beta(world: int = 2, reps: int = 10) -> tuple[float, float, list, float, float]:
-    """Spawn ``world`` gloo ranks, time a reference training step on all of them at once, all-reduces
-    back to back, and small all-reduces between compute segments; return (α seconds, β bytes/s, raw rows,
-    mean step FLOP/s per rank, seconds an interleaved SYNC_BYTES all-reduce adds to a segment)."""
+    """Spawn ``world`` gloo ranks, time the reference training step on all of them at once against each
+    alone (:func:`shared_core_efficiency`), all-reduces back to back, and small all-reduces between compute
+    segments; return (α seconds, β bytes/s, raw rows, the ranks' mean shared-core efficiency, seconds an
+    interleaved SYNC_BYTES all-reduce adds to a segment)."""
     from tessera.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:  # the ranks rendezvous through a FileStore: no port
-        step, interleaved, rows = spawn(_allreduce_rank, world, (os.path.join(tmp, "store"), reps))[0]
+        shared, interleaved, rows = spawn(_allreduce_rank, world, (os.path.join(tmp, "store"), reps))[0]
     alpha, beta = fit_alpha_beta(rows, world)
-    return alpha, beta, rows, step, interleaved
+    return alpha, beta, rows, shared, interleaved
 
 
-def training_step_flops(preset: str = "small", rows: int = 4, seq: int = 128, steps: int = 3) -> float:
-    """FLOP/s one rank reaches training tessera's reference model (model FLOPs / fastest step time, one
-    thread): the rate small CPU runs really get, well below a large matmul's, since norms, softmax, the
-    optimizer and framework overhead weigh as much as the matmuls at these sizes."""
-    with one_thread():
-        run, flops = ref.training_step(preset, rows, seq)
-        return flops / fastest({"step": run}, 0.0, steps + 1)["step"]  # CPU seconds: load does not count
+def shared_core_efficiency(run, rank: int, world: int, barrier, rounds: int = 7) -> float:
+    """How fast one rank runs the reference step ``run`` while every rank runs it at once, as a fraction of
+    its speed running it alone (CPU seconds alone ÷ together: how much ranks on the cores of one machine
+    slow each other through shared caches and memory). Each round: one step on every rank at once, then
+    one step on each rank in turn while the others wait at ``barrier``; the median over ``rounds`` of the
+    rank's per-round ratio. Both halves of a ratio are timed within a second, so a shared machine's
+    drifting speed hits them alike: three steps timed together and set against a one-process rate
+    measured separately gave 0.73 in one calibration and 1.04 in another an hour apart on one host, and
+    every multi-rank prediction moved with it."""
+    ratios = []
+    for _ in range(rounds):
+        barrier()
+        t0 = time.thread_time()
+        run()
+        together = time.thread_time() - t0
+        for turn in range(world):
+            barrier()
+            if turn == rank:
+                t0 = time.thread_time()
+                run()
+                alone = time.thread_time() - t0
+        ratios.append(alone / together)
+    barrier()
+    return statistics.median(ratios)
 
 
 def half_matmul_flops(peak: float, tokens: int = 128, seconds: float = 0.2) -> float:
@@ -188,7 +209,8 @@ def elementwise_from_rounds(at_one_speed: dict, per_round: list[dict]) -> float:
 def calibrate(world: int = 2) -> dict:
     """This machine's numbers in the form ``planner.local.local_gpu`` takes: ``peak_flops`` (the
     reference layer's matmuls), ``step_flops_alone`` (a reference training step in one process) and
-    ``step_flops`` (the same on all ``world`` ranks at once: how much ranks sharing cores slow each other),
+    ``step_flops`` (the same on all ``world`` ranks at once: ``step_flops_alone`` times
+    ``shared_core_efficiency``, how much ranks sharing the machine slow each other),
     ``half_flops`` (the same matmuls in bf16, for mixed-precision layouts),
     ``elementwise_s_per_byte`` (the step's time outside matmuls per activation byte), ``alpha_s`` and
     ``bytes_per_s`` (gloo ring all-reduce on ``world`` ranks, back to back), ``attention_rate`` (FLOP/s of
@@ -205,9 +227,10 @@ def calibrate(world: int = 2) -> dict:
     peak, attn, alone = single["peak_flops"], single["attention_rate"], single["step_flops_alone"]
     calls, hbm = single["layer_call_s"], single["hbm_bytes_per_s"]
     half = half_matmul_flops(peak)
-    alpha, beta, rows, step, interleaved = allreduce_alpha_beta(world)
+    alpha, beta, rows, shared, interleaved = allreduce_alpha_beta(world)
     sync = max(0.0, interleaved - all_reduce_s(SYNC_BYTES, world, Link(alpha, beta)))
-    return {"peak_flops": peak, "half_flops": half, "step_flops": step, "step_flops_alone": alone, "alpha_s": alpha,
+    return {"peak_flops": peak, "half_flops": half, "step_flops": alone * shared, "step_flops_alone": alone,
+            "shared_core_efficiency": shared, "alpha_s": alpha,
             "bytes_per_s": beta, "collective_sync_s": sync, "hbm_bytes_per_s": hbm,
             "interleaved_allreduce_s": interleaved,  # negative: the machine was too busy to see the start-up
             "elementwise_s_per_byte": elementwise_from_rounds(single, per_round),
