@@ -40,12 +40,29 @@ def local_squares(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
                   device: torch.device) -> torch.Tensor:
     """This rank's share of ‖g‖² (a 0-d fp32 tensor on ``device``): pieces replicated along an axis of
     ``axes`` count only at coordinate 0 of that axis."""
+    mine = [piece.grad.detach() for piece in pieces
+            if all(group.rank == 0 for name, group in axes.items() if name not in piece.sharded)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for piece in pieces:
-        if any(group.rank != 0 for name, group in axes.items() if name not in piece.sharded):
-            continue
-        sq += piece.grad.detach().float().pow(2).sum().to(device)
+    for grads in _by_device_and_dtype(mine):
+        # one fp32 norm per gradient, reduced without an fp32 copy or a squared temporary of it (either
+        # would be as large as the biggest parameter: gigabytes for an embedding at scale)
+        sq += torch.stack(_norms(grads)).square().sum().to(device)
     return sq
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 L2 norms of same-device, same-dtype ``grads``: one fused kernel where torch has it (the one
+    ``torch.nn.utils.clip_grad_norm_`` uses), one reduction per tensor elsewhere."""
+    if all(type(g) is torch.Tensor for g in grads):
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
 
 
 def global_grad_norm(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
@@ -94,8 +111,13 @@ def _scale_to(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float
     if max_norm <= 0:
         return
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(device=g.device, dtype=g.dtype))
+    for same in _by_device_and_dtype(list(grads)):
+        factor = scale.to(device=same[0].device, dtype=same[0].dtype)
+        if all(type(g) is torch.Tensor for g in same):
+            torch._foreach_mul_(same, factor)
+        else:
+            for g in same:
+                g.mul_(factor)
 
 
 def _param_pieces(params: Iterable[torch.nn.Parameter], axes_of) -> list[GradPiece]:
