@@ -11,9 +11,10 @@ decay groups (matrices decayed, the rest not) and ``LambdaLR`` of the same warm-
 A's initial weights (a copy of its state_dict), so both compute the same loss at step 1 and, after the
 same update, at step 2: the script checks both before timing.
 
-A and B alternate in the same process (A B, B A, A B, …: the order alternates every round; ``--rounds``
-rounds, each ``--warmup`` untimed then ``--steps`` timed steps) with a fixed number of torch threads. A
-round's step time is its mean (total ÷ steps), so the steps that write a metrics line are counted; the ratio
+A and B alternate step by step in the same process (A B, B A, A B, …; ``--rounds`` rounds, each
+``--warmup`` untimed then ``--steps`` timed steps of each) with a fixed number of torch threads, so the two
+steps of a pair run within a second of each other. A round's step time is its mean (total ÷ steps), so the
+steps that write a metrics line are counted; the ratio
 reported is the median over rounds of (A's mean step ÷ B's mean step), with its range, of wall-clock time and
 of CPU time.
 
@@ -150,11 +151,15 @@ def measure(args) -> dict:
         med = {"tessera": [], "plain": []}
         loops = {"tessera": a, "plain": b}
         for r in range(args.rounds):
-            for name in round_order(loops, r):
-                loop = loops[name]
-                for _ in range(args.warmup):
-                    loop()
-                walls, cpus = zip(*(timed(loop) for _ in range(args.steps)))
+            for i in range(args.warmup):
+                for name in round_order(loops, r + i):
+                    loops[name]()
+            got = {name: [] for name in loops}
+            for i in range(args.steps):  # step by step: A B, B A, …
+                for name in round_order(loops, r + args.warmup + i):
+                    got[name].append(timed(loops[name]))
+            for name, pairs in got.items():
+                walls, cpus = zip(*pairs)
                 med[name].append((statistics.fmean(walls), statistics.fmean(cpus)))
         a.trainer.metrics.close()
         a.trainer.close()
@@ -174,9 +179,9 @@ def report(args, res: dict) -> list[str]:
         "clipping, schedule, a metrics line with its memory snapshot every "
         f"{res['log_every']} steps), plus the progress file, without validation, checkpoints or the progress "
         "bar; plain = a nanoGPT-style loop of the same model started from tessera's initial weights, on the "
-        "same windows. Same process, interleaved (A B, then B A: the order alternates every round): "
+        "same windows. Same process, alternating step by step (A B, B A, A B, …): "
         f"{args.rounds} rounds of {args.warmup} warm-up + "
-        f"{args.steps} timed steps each; a round's step time is its mean (total ÷ steps, so the logged steps "
+        f"{args.steps} timed steps of each; a round's step time is its mean (total ÷ steps, so the logged steps "
         "count); ratio = per-round (tessera mean ÷ plain mean), median (min–max), of wall-clock time (the "
         "target: ≤ 1.03) and of the process's CPU time (which leaves out waiting for a core on a shared "
         "machine).",
