@@ -74,33 +74,41 @@ def test_collectives_compute_and_record(rank_pool, world):
         assert ledger[("dp", "gather")] == (1, 4 * world, root_wire)
 
 
-def scratch_reduce_scatter_worker(rank, world_size):
-    """A reduce-scatter whose input is scratch (gloo: an in-place all-reduce, then the slice copied out)
-    against gloo's own, on the same random [N·n, 3] inputs, synchronous and asynchronous."""
+def exchange_reduce_scatter_worker(rank, world_size):
+    """A sum reduce-scatter on gloo (a point-to-point exchange of the chunks) against the rank-order sum of
+    every rank's input and against gloo's own call (an average, which keeps it), on the same random
+    [N·n, 3] inputs, synchronous and asynchronous, two in flight at once."""
     g = world_group(rank, world_size)
     torch.manual_seed(rank)
     x = torch.randn(world_size * 5, 3)
-    plain, sync, pending = torch.empty(5, 3), torch.empty(5, 3), torch.empty(5, 3)
-    comm.reduce_scatter(plain, x.clone(), g)
-    comm.reduce_scatter(sync, x.clone(), g, scratch_input=True)
-    handle = comm.reduce_scatter(pending, x.clone(), g, async_op=True, scratch_input=True)
-    handle.wait()
+    kept = x.clone()
+    every = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(every, x)
+    by_rank_order = every[0].clone()
+    for other in every[1:]:
+        by_rank_order += other
+    mine = by_rank_order[rank * 5:(rank + 1) * 5]
+    sync, first, second = torch.empty(5, 3), torch.empty(5, 3), torch.empty(5, 3)
+    comm.reduce_scatter(sync, x, g)
+    pending = [comm.reduce_scatter(first, x, g, async_op=True), comm.reduce_scatter(second, 2 * x, g, async_op=True)]
+    for handle in reversed(pending):
+        handle.wait()
     stat = g.ledger.stats()[("dp", "reduce_scatter")]
-    mean, scratch_mean = torch.empty(5, 3), torch.empty(5, 3)  # gloo's all-reduce has no AVG: gloo's own call
-    comm.reduce_scatter(mean, x.clone(), g, op="avg")
-    comm.reduce_scatter(scratch_mean, x.clone(), g, op="avg", scratch_input=True)
-    return {"backend": g.backend, "plain": plain, "sync": sync, "async": pending,
-            "ledger": (stat.count, stat.bytes, stat.wire_bytes), "avg": (mean, scratch_mean)}
+    mean = torch.empty(5, 3)
+    comm.reduce_scatter(mean, x, g, op="avg")
+    return {"backend": g.backend, "mine": mine, "sync": sync, "async": (first, second), "mean": mean,
+            "input_kept": torch.equal(x, kept), "ledger": (stat.count, stat.bytes, stat.wire_bytes)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_reduce_scatter_of_a_scratch_input_gives_the_same_bits(rank_pool, world):
-    for out in rank_pool.run(scratch_reduce_scatter_worker, world):
+def test_a_sum_reduce_scatter_on_gloo_is_the_rank_order_sum(rank_pool, world):
+    for out in rank_pool.run(exchange_reduce_scatter_worker, world):
         assert out["backend"] == "gloo"
-        assert torch.equal(out["sync"], out["plain"]) and torch.equal(out["async"], out["plain"])
-        assert torch.equal(out["avg"][1], out["avg"][0])
-        assert torch.allclose(out["avg"][0], out["plain"] / world)
-        n_bytes = world * 5 * 3 * 4  # the ledger counts three reduce-scatters of the full input alike
+        assert torch.equal(out["sync"], out["mine"]) and torch.equal(out["async"][0], out["mine"])
+        assert torch.equal(out["async"][1], 2 * out["mine"])  # two exchanges in flight did not mix
+        assert out["input_kept"]  # the exchange only reads its input
+        torch.testing.assert_close(out["mean"], out["mine"] / world)
+        n_bytes = world * 5 * 3 * 4  # the ledger counts the three sums' full inputs alike
         assert out["ledger"] == (3, 3 * n_bytes, pytest.approx(3 * (world - 1) / world * n_bytes))
 
 

@@ -44,3 +44,20 @@ def test_pieces_that_are_views_scale_the_tensors_named_in_scale():
     torch.testing.assert_close(flat, torch.tensor([1.5, 2.0, 0.0, 6.0]), rtol=1e-6, atol=0)
     with pytest.raises(TypeError, match="axes_of"):  # pieces carry their axes: a second source is refused
         clip_grad_norm(pieces, {}, 1.0, axes_of=lambda p: ())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_flags_any_inf_or_nan_in_any_dtype_group(dtype, bad):
+    from tessera.precision import nonfinite
+
+    cpu = torch.device("cpu")
+    clean = [torch.randn(300, dtype=dtype), torch.randn(4, 5, dtype=torch.float32), torch.zeros(0, dtype=dtype)]
+    assert float(nonfinite(clean, cpu)) == 0.0
+    for i in range(2):  # the bad value in either dtype group, at the end of a long tensor
+        tensors = [t.clone() for t in clean]
+        tensors[i].view(-1)[-1] = bad
+        assert float(nonfinite(tensors, cpu)) == 1.0
+    # the largest finite values of a 16-bit dtype stay finite: fp32 norms do not overflow on them
+    assert float(nonfinite([torch.full((1000,), torch.finfo(torch.float16).max, dtype=torch.float16)], cpu)) == 0.0
+    assert float(nonfinite([], cpu)) == 0.0

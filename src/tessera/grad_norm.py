@@ -43,10 +43,8 @@ def local_squares(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
     mine = [piece.grad.detach() for piece in pieces
             if all(group.rank == 0 for name, group in axes.items() if name not in piece.sharded)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in _by_device_and_dtype(mine):
-        # one fp32 norm per gradient, reduced without an fp32 copy or a squared temporary of it (either
-        # would be as large as the biggest parameter: gigabytes for an embedding at scale)
-        sq += torch.stack(_norms(grads)).square().sum().to(device)
+    for norms in tensor_norms(mine):
+        sq += norms.square().sum().to(device)
     return sq
 
 
@@ -57,12 +55,20 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]
     return list(groups.values())
 
 
-def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 L2 norms of same-device, same-dtype ``grads``: one fused kernel where torch has it (the one
-    ``torch.nn.utils.clip_grad_norm_`` uses), one reduction per tensor elsewhere."""
-    if all(type(g) is torch.Tensor for g in grads):
-        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
-    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+def tensor_norms(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 L2 norm of every tensor, stacked per device and dtype: [k] per group of k tensors, on
+    their device. One fused kernel per group where torch has it (the one ``torch.nn.utils.clip_grad_norm_``
+    uses), one reduction per tensor elsewhere (a DTensor); never an fp32 copy or a squared temporary of
+    a tensor (either would be as large as the biggest parameter: gigabytes for an embedding at scale).
+    A norm is inf or nan exactly when its tensor holds an inf or nan, or (finite values beyond about
+    1e19 in fp32 or bf16) when its squares overflow fp32."""
+    out = []
+    for same in _by_device_and_dtype([t.detach() for t in tensors]):
+        if all(type(t) is torch.Tensor for t in same):
+            out.append(torch.stack(torch._foreach_norm(same, 2, dtype=torch.float32)))
+        else:
+            out.append(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in same]))
+    return out
 
 
 def global_grad_norm(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],

@@ -190,25 +190,23 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: CommGroup, asyn
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: CommGroup, op: str = "sum",
-                   async_op: bool = False, scratch_input: bool = False) -> Handle:
+                   async_op: bool = False) -> Handle:
     """``output`` ([n, ...]) = this rank's 1/N slice (dim 0) of the reduction of every ``input`` ([N·n, ...]).
 
-    ``scratch_input``: the caller will not read ``input`` again, so the reduction may be done in it (on
-    gloo: an all-reduce in ``input``, then the slice copied out; ``tessera.comm.gloo``). Other backends
-    ignore it. The ledger records a reduce-scatter either way."""
+    On gloo a sum runs as a point-to-point exchange of the chunks (``tessera.comm.gloo``), other ops as
+    gloo's own call. The ledger records a reduce-scatter either way."""
     group.check_device("reduce_scatter", output, input)
     if group.size == 1:
         output.copy_(input.view_as(output))
         return DONE
     size = nbytes(input)
     wire = wire_bytes("reduce_scatter", size, group.size)
-    if gloo.reduces_in_place(group, op, scratch_input):  # see tessera.comm.gloo
-        return _issue(group, "reduce_scatter", size, wire,
-                      lambda a: dist.all_reduce(input, op=reduce_op(op), group=group.pg, async_op=a), async_op,
-                      then=gloo.copy_slice_out(output, input, group))
+    if gloo.exchanges(group, op, output, input):  # see tessera.comm.gloo
+        exchange = gloo.ReduceScatterExchange(output, input, group)
+        return _issue(group, "reduce_scatter", size, wire, exchange.launch, async_op, then=exchange.finish)
     return _issue(group, "reduce_scatter", size, wire,
                   lambda a: _reduce_scatter_flat(output, input, op=reduce_op(op), group=group.pg,
-                                                       async_op=a), async_op)
+                                                 async_op=a), async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: CommGroup,

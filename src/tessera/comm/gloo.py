@@ -63,14 +63,46 @@ def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: C
     return works
 
 
-def reduces_in_place(group: CommGroup, op: str, scratch_input: bool) -> bool:
-    """Whether a reduce-scatter runs as an all-reduce in its input (gloo's all-reduce has no AVG: an
-    average keeps gloo's own call)."""
-    return scratch_input and op != "avg" and group.backend == "gloo"
+# p2p tags of reduce-scatter exchanges: above the tags other point-to-point calls use (0 by default), one
+# per exchange on a group, so two in flight on one group never match each other's messages
+_EXCHANGE_TAG_BASE, _EXCHANGE_TAGS = 1 << 30, 1 << 30
 
 
-def copy_slice_out(output: torch.Tensor, input: torch.Tensor, group: CommGroup):
-    """What finishes a reduce-scatter run as an all-reduce in ``input`` [N·n, ...]: this rank's slice
-    copied into ``output`` [n, ...]."""
-    mine = input.narrow(0, group.rank * output.shape[0], output.shape[0])
-    return lambda: output.copy_(mine.view_as(output))
+def exchanges(group: CommGroup, op: str, output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether a reduce-scatter runs as a :class:`ReduceScatterExchange` (gloo, a sum, contiguous tensors)."""
+    return (group.backend == "gloo" and op == "sum" and output.is_contiguous() and input.is_contiguous()
+            and input.numel() == group.size * output.numel())
+
+
+class ReduceScatterExchange:
+    """``output`` [n, ...] = the sum over ranks of chunk r (this rank's, dim 0) of every ``input`` [N·n, ...].
+
+    :meth:`launch`: chunk j of this rank's input is sent to rank j and rank j's chunk r received, all N-1
+    pairs at once; :meth:`finish` (after they complete) sums the N chunks in rank order, the same order on
+    every rank, so a slice's value does not depend on which rank owns it. The first other rank's chunk is
+    received straight into ``output``, the rest into N-2 buffers [n]; ``input`` is only read.
+    Every rank of the group must create its exchanges in the same order (as for any collective): each
+    takes the group's next exchange tag, which keeps two exchanges in flight on one group apart."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: CommGroup):
+        self.output, self.group = output, group
+        n, me = output.shape[0], group.rank
+        self.chunks = [input.narrow(0, j * n, n).view_as(output) for j in range(group.size)]
+        self.others = [j for j in range(group.size) if j != me]
+        self.into = {j: output if j == self.others[0] else torch.empty_like(output) for j in self.others}
+        group.exchanges += 1
+        self.tag = _EXCHANGE_TAG_BASE + group.exchanges % _EXCHANGE_TAGS
+
+    def launch(self, async_op: bool) -> Works:
+        ranks, pg = self.group.ranks, self.group.pg
+        works = Works([dist.isend(self.chunks[j], ranks[j], group=pg, tag=self.tag) for j in self.others]
+                      + [dist.irecv(self.into[j], ranks[j], group=pg, tag=self.tag) for j in self.others])
+        if not async_op:
+            works.wait()
+        return works
+
+    def finish(self) -> None:
+        me = self.group.rank
+        for j in range(self.group.size):  # output holds chunk others[0]: add each other chunk in rank order
+            if j != self.others[0]:
+                self.output.add_(self.chunks[me] if j == me else self.into[j])

@@ -54,6 +54,7 @@ class CommGroup:
         self.timeout = timeout
         self.device = _indexed(torch.device(device))
         self.seq = 0  # calls issued on this group; named in timeout errors
+        self.exchanges = 0  # reduce-scatters run as point-to-point exchanges (tessera.comm.gloo): their tags
 
     @classmethod
     def single(cls, axis: str = "world", ledger: CommLedger | None = None,

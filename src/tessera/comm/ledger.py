@@ -10,7 +10,8 @@ point-to-point), i.e. what NCCL-tests calls bus bytes. With N ranks and a payloa
     gather / scatter  root (N-1)·s, others s (s = one rank's piece)   send / recv     S
 
 These are the bytes of the collective asked for under that algorithm, not of whatever a backend runs:
-gloo's reduce-scatter on CPU, for one, is an all-reduce and moves 2(N-1)/N · S.
+gloo's own reduce-scatter on CPU, for one, is an all-reduce and moves 2(N-1)/N · S (tessera's, an exchange
+of the chunks, moves exactly (N-1)/N · S: ``tessera.comm.gloo``).
 
 ``seconds`` is the time the caller was blocked: the whole call when synchronous, the launch plus the
 ``wait()`` when asynchronous (communication overlapped with compute is, rightly, not counted).

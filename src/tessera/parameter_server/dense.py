@@ -82,8 +82,7 @@ class DenseParameterSync:
             copy_from_flat(self.params, new_P)
         else:
             grad_shard = torch.empty(self.shard, device=self.group.device)
-            comm.reduce_scatter(grad_shard, self._grads(self.shard * self.group.size), self.group,
-                                scratch_input=True)  # a fresh flat copy of the gradients
+            comm.reduce_scatter(grad_shard, self._grads(self.shard * self.group.size), self.group)
             self.master.grad = grad_shard
             self.opt.step()
             full = torch.empty(self.shard * self.group.size, device=self.group.device)

@@ -43,9 +43,6 @@ class GpuSpec:
     # exposed start-up of each blocking collective issued between compute segments, beyond α (the ranks'
     # arrival skew, waking the waiting rank); 0 where collectives queue asynchronously on a stream
     collective_sync_s: float = 0.0
-    # gloo has no reduce-scatter of its own: tessera runs one as an all-reduce in place (tessera.comm.gloo),
-    # so on the local CPU machine a reduce-scatter costs an all-reduce, not half of one
-    reduce_scatter_all_reduces: bool = False
     # fixed cost of one layer's forward and backward on one micro-batch, whatever its size (kernel
     # dispatch, autograd bookkeeping); 0 where launches overlap execution (GPUs)
     layer_call_s: float = 0.0

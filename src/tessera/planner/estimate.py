@@ -246,16 +246,15 @@ def _data_parallel_and_update(spec, layout, gpu, link, compute, m, elem, precisi
     window = compute * 2.0 / 3.0 / m * gpu.overlap  # the last micro-batch's backward hides gradient buckets
     # one blocking start-up per 25 MB bucket (ZeRO-3: per unit, a block or the root, and use)
     syncs = math.ceil(grad_bytes / BUCKET_BYTES) * gpu.collective_sync_s if n > 1 else 0.0
-    reduce_scatter_s = cm.all_reduce_s if gpu.reduce_scatter_all_reduces else cm.reduce_scatter_s
     if layout.zero_stage == 0:
         exposed = max(0.0, cm.all_reduce_s(grad_bytes, n, link) + syncs - window)
     elif layout.zero_stage in (1, 2):  # reduce-scatter gradients, all-gather updated parameters after the step
-        exposed = (max(0.0, reduce_scatter_s(grad_bytes, n, link) + syncs - window)
+        exposed = (max(0.0, cm.reduce_scatter_s(grad_bytes, n, link) + syncs - window)
                    + cm.all_gather_s(grad_bytes, n, link) + syncs)
     elif gpu.hbm_efficiency and n > 1:  # GPU kernel model: each unit's gathers behind its neighbour's compute
         exposed = m * zero3_exposed(spec, layout, link, compute / m, elem, grad_bytes / max(held_bytes, 1.0))
     else:  # gather weights for forward and backward, reduce-scatter gradients, every micro-batch; prefetched
-        z3 = m * (2 * cm.all_gather_s(held_bytes, n, link) + reduce_scatter_s(grad_bytes, n, link))
+        z3 = m * (2 * cm.all_gather_s(held_bytes, n, link) + cm.reduce_scatter_s(grad_bytes, n, link))
         units = spec.layers / layout.pp + 1
         z3 += m * 3 * units * gpu.collective_sync_s if n > 1 else 0.0
         exposed = max(0.0, z3 - compute * gpu.overlap)

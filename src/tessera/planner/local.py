@@ -38,8 +38,7 @@ def local_gpu(world_size: int, calibration: dict | None = None, memory_bytes: fl
                    collective_sync_s=c.get("collective_sync_s", 0.0), layer_call_s=c.get("layer_call_s", 0.0),
                    attention_flops=c.get("attention_rate", 0.0),
                    attention_row_s=c.get("attention_row_s", 0.0), ring_forward_s=c.get("ring_forward_s", 0.0),
-                   ring_backward_s=c.get("ring_backward_s", 0.0), half_flops=c.get("half_flops", 0.0),
-                   reduce_scatter_all_reduces=True)
+                   ring_backward_s=c.get("ring_backward_s", 0.0), half_flops=c.get("half_flops", 0.0))
 
 
 def rank_local_layouts(model_cfg, world_size: int, global_batch: int, seq: int, *,

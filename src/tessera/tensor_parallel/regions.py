@@ -33,9 +33,7 @@ def _reduce_scatter_dim(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Te
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {group.size} ranks")
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // group.size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    # a copy made just now (the split dim was not the outermost) is ours to reduce in; x itself is not
-    copied = x0.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-    C.reduce_scatter(out, x0, group, scratch_input=copied)
+    C.reduce_scatter(out, x0, group)
     return out.movedim(0, dim)
 
 

@@ -28,12 +28,11 @@ class SliceReduction:
 
     def start(self, grad: torch.Tensor) -> tuple:
         """Launch the reduce-scatter of ``grad`` [P] (cast to the reduce dtype); returns the pending
-        (handle, output slice [P/N], input) triple. ``grad`` is consumed: every caller drops the full
-        gradient once reduced, so the backend may reduce in it (``comm.reduce_scatter``'s scratch input)."""
+        (handle, output slice [P/N], input) triple; the input stays referenced until the wait (the
+        transfer reads it), then every caller drops it."""
         src = grad if grad.dtype == self.dtype else grad.to(self.dtype)
         out = torch.empty(src.numel() // self.shard.size, dtype=self.dtype, device=src.device)
-        return (comm.reduce_scatter(out, src, self.shard, op="sum", async_op=True, scratch_input=True),
-                out, src)
+        return comm.reduce_scatter(out, src, self.shard, op="sum", async_op=True), out, src
 
     def finish(self, pending: tuple) -> torch.Tensor:
         """Wait for the reduce-scatter, sum the slice across replicas; the reduced slice [P/N]."""
