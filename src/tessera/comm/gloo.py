@@ -1,19 +1,21 @@
-"""How tessera runs reduce-scatter and all-gather on gloo: the same results as gloo's own calls, faster.
+"""How tessera runs reduce-scatter and all-gather on gloo: the same collectives as gloo's own calls, faster.
 
 gloo has no reduce-scatter and no in-place all-gather of its own on CPU (torch 2.13, ProcessGroupGloo):
-``reduce_scatter_tensor`` all-reduces a clone of the whole input [N·n] and copies out the slice;
-``all_gather_into_tensor`` gathers into a fresh flat buffer [N·n] and then copies it into the output's
-chunks. Both copies are on top of the transfer, and on a CPU the copies compete with it for the cores.
-Measured on the 2-core machine of docs/BENCHMARKS.md, 3.03M fp32 elements (the small preset's gradients):
+``reduce_scatter_tensor`` all-reduces a clone of the whole input [N·n] (2(N-1)/N of it through each rank's
+link, twice a reduce-scatter's bytes) and copies out the slice; ``all_gather_into_tensor`` gathers into a
+fresh flat buffer [N·n] and then copies it into the output's chunks. So tessera runs:
 
-    reduce-scatter   gloo's 26.6 ms (2 ranks), 43.9 ms (4)    all-reduce in place + slice copy 14.0, 26.0
-    all-gather       gloo's 10.5–14.6 ms (2), 28–30 ms (4), 55–71 ms (8)    N broadcasts 6.8, 13.8, 33
+- a sum reduce-scatter as an exchange (:class:`ReduceScatterExchange`): chunk j of the input [n] sent to
+  rank j, every rank's chunk r received, all at once, and the N chunks added in rank order: (N-1)/N of the
+  input through each link, nothing copied, the input only read. The sum's order is the ranks' order, the
+  same for every slice (gloo's all-reduce adds in an order of its own: the two differ by rounding);
+- an all-gather of at least :data:`BROADCAST_GATHER_BYTES` as N broadcasts, rank i's chunk [n] from rank i
+  straight into its place in the output (below that, N calls cost more than one and gloo's call is kept).
 
-So: a reduce-scatter whose input the caller lets go (``scratch_input``) is an all-reduce in that input
-and a copy of this rank's slice [n] (the very algorithm gloo runs, without its full copy: the same bits);
-an all-gather of at least :data:`BROADCAST_GATHER_BYTES` is N broadcasts, rank i's chunk [n] from rank i
-straight into its place in the output (below that, N calls cost more than one and gloo's call is kept).
-The ledger records the collective asked for (``tessera.comm.ledger``), whichever way it ran.
+Measured by ``python benchmarks/gloo_collectives.py`` (docs/BENCHMARKS.md, "tessera's collectives on gloo"),
+the small preset's 3.03M fp32 elements on 2 shared cores, 2 and 4 ranks: the reduce-scatter in 0.4–0.5×
+gloo's time, the all-gather in 0.65–0.8×. The ledger records the collective asked for
+(``tessera.comm.ledger``), whichever way it ran.
 """
 
 from __future__ import annotations
