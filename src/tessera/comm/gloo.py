@@ -13,8 +13,8 @@ fresh flat buffer [N·n] and then copies it into the output's chunks. So tessera
   straight into its place in the output (below that, N calls cost more than one and gloo's call is kept).
 
 Measured by ``python benchmarks/gloo_collectives.py`` (docs/BENCHMARKS.md, "tessera's collectives on gloo"),
-the small preset's 3.03M fp32 elements on 2 shared cores, 2 and 4 ranks: the reduce-scatter in 0.4–0.5×
-gloo's time, the all-gather in 0.65–0.8×. The ledger records the collective asked for
+the small preset's 3.03M fp32 elements on 2 shared cores, 2 and 4 ranks, three runs: the reduce-scatter in
+0.33–0.47× gloo's time, the all-gather in 0.61–0.88× (medians of per-round ratios). The ledger records the collective asked for
 (``tessera.comm.ledger``), whichever way it ran.
 """
 
