@@ -14,6 +14,7 @@ time is the slowest rank's median; ratios are per round, shown as median (min–
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from functools import partial
@@ -68,7 +69,7 @@ def table(results: dict[int, list[dict]]) -> list[str]:
         per_round = {k: slowest_medians([r["times"][k] for r in per_rank]) for k in VARIANTS}
         for name, ours, theirs in PAIRS:
             ratio = [a / b for a, b in zip(per_round[ours], per_round[theirs])]
-            ms = {k: sorted(per_round[k])[len(per_round[k]) // 2] * 1e3 for k in (ours, theirs)}
+            ms = {k: statistics.median(per_round[k]) * 1e3 for k in (ours, theirs)}
             rows.append(f"| {world} | {name} | {ms[theirs]:.2f} | {ms[ours]:.2f} | {spread(ratio)} |")
     return rows
 

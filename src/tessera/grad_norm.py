@@ -40,7 +40,7 @@ def local_squares(pieces: Iterable[GradPiece], axes: Mapping[str, CommGroup],
                   device: torch.device) -> torch.Tensor:
     """This rank's share of ‖g‖² (a 0-d fp32 tensor on ``device``): pieces replicated along an axis of
     ``axes`` count only at coordinate 0 of that axis."""
-    mine = [piece.grad.detach() for piece in pieces
+    mine = [piece.grad for piece in pieces  # tensor_norms detaches
             if all(group.rank == 0 for name, group in axes.items() if name not in piece.sharded)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for norms in tensor_norms(mine):
